@@ -1,0 +1,135 @@
+"""Command line of the overlay tooling: ``ci/overlay COMMAND``.
+
+Build steps print their one result (a path) on stdout and progress on
+stderr, so build.sh can pass each result to the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vllm_overlay import apply, build, dist, fetch, overlay, series, source, wheelcheck
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.paths import Layout, default_layout
+from vllm_overlay.pin import load_pin
+
+
+def _touched(layout: Layout) -> set[str]:
+    touched = {t for p in series.load_series(layout.patches) for t in p.targets}
+    return touched | set(overlay.overlay_files(layout.overlay))
+
+
+def cmd_fetch_wheel(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    return str(fetch.fetch(pin.wheel, layout.downloads))
+
+
+def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    source.fresh_dir(layout.partial_tree)
+    source.fresh_dir(layout.tree)
+    upstream = source.lay_scratch_tree(
+        layout.root, pin, layout.downloads, layout.partial_tree
+    )
+    print(f"  source: {upstream.description}", file=sys.stderr)
+    return str(layout.partial_tree)
+
+
+def cmd_apply_series(layout: Layout, args: argparse.Namespace) -> str:
+    apply.apply_series(args.tree, series.load_series(layout.patches))
+    return str(args.tree)
+
+
+def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
+    overlay.copy_overlay(layout.overlay, args.tree)
+    if args.tree.resolve() == layout.partial_tree.resolve():
+        source.fresh_dir(layout.tree)
+        layout.partial_tree.rename(layout.tree)
+        return str(layout.tree)
+    return str(args.tree)
+
+
+def cmd_build_env(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    return str(build.build_env(pin, layout.build_requirements, layout.cache,
+                               layout.logs))
+
+
+def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    return str(build.build_wheel(args.tree, args.python, pin, args.mode,
+                                 args.official, layout.wheel_dir, layout.logs))
+
+
+def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    wheelcheck.check_wheel(args.wheel, args.official, args.tree, _touched(layout),
+                           pin.wheel_tag)
+    return str(args.wheel)
+
+
+def cmd_publish(layout: Layout, args: argparse.Namespace) -> str:
+    return str(dist.publish(args.wheel, layout.dist, layout.build))
+
+
+def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
+    problems = [
+        f"{patch.path}: {problem}"
+        for patch in series.load_series(layout.patches)
+        for problem in series.header_problems(patch)
+    ]
+    if problems:
+        raise OverlayError("\n".join(problems), "fill in the DEP-3 headers")
+    return "series ok"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ci/overlay", description=__doc__)
+    parser.add_argument("--root", type=Path, help="checkout to work on")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(func=func)
+        return p
+
+    add("fetch-wheel", cmd_fetch_wheel, "download and verify the official wheel")
+    add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
+    add("apply-series", cmd_apply_series, "apply patches/series, zero fuzz"
+        ).add_argument("tree", type=Path)
+    add("copy-overlay", cmd_copy_overlay, "add overlay/ files to the tree"
+        ).add_argument("tree", type=Path)
+    add("build-env", cmd_build_env, "bootstrap the build venv from the pin")
+    p = add("build-wheel", cmd_build_wheel, "build the wheel of a tree")
+    p.add_argument("tree", type=Path)
+    p.add_argument("--mode", choices=build.MODES, default="python-only")
+    p.add_argument("--python", type=Path, required=True)
+    p.add_argument("--official", type=Path, required=True)
+    p = add("check-wheel", cmd_check_wheel, "compare a wheel with the official")
+    p.add_argument("wheel", type=Path)
+    p.add_argument("--tree", type=Path, required=True)
+    p.add_argument("--official", type=Path, required=True)
+    add("publish", cmd_publish, "move a checked wheel into dist/"
+        ).add_argument("wheel", type=Path)
+    add("lint", cmd_lint, "check the series and its DEP-3 headers")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    layout = Layout(args.root.resolve()) if args.root else default_layout()
+    try:
+        print(args.func(layout, args))
+    except OverlayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; dist/ was left as it was", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

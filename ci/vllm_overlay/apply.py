@@ -1,0 +1,106 @@
+"""Apply the series onto a scratch tree with zero fuzz and zero offset.
+
+GNU patch does the work; every patch is first tried with ``--dry-run`` so a
+patch that would need fuzz, land at another line, or fail leaves the tree as
+the previous patch left it. ``classify`` names what is wrong, which is also
+what the rebase dry-run reports.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.series import Patch
+
+_OFFSET = re.compile(r"^Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", re.M)
+_FUZZ = re.compile(r"^Hunk #\d+ succeeded at \d+ with fuzz \d+", re.M)
+_FAILED = re.compile(r"^Hunk #\d+ FAILED at \d+.*$", re.M)
+
+
+class Fit(enum.Enum):
+    CLEAN = "clean"
+    OFFSET = "offset only"
+    FUZZ = "needs fuzz"
+    CONFLICT = "conflict"
+    ALREADY_UPSTREAM = "already upstream"
+    TARGET_GONE = "target file gone"
+
+
+@dataclass(frozen=True)
+class FitReport:
+    fit: Fit
+    detail: str  # patch's own words: offset/fuzz/failed hunk lines
+
+
+def _patch(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            "patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch",
+            "--reject-file=-", "-d", str(tree), "-i", str(patch.resolve()),
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+    )
+
+
+def classify(tree: Path, patch: Patch) -> FitReport:
+    """How ``patch`` fits ``tree`` now, without changing the tree."""
+    missing = [t for t in patch.targets if not (tree / t).exists()]
+    creates = _created_files(patch)
+    gone = [t for t in missing if t not in creates]
+    if gone:
+        return FitReport(Fit.TARGET_GONE, ", ".join(gone))
+    strict = _patch(tree, patch.path, "--dry-run", "--fuzz=0")
+    out = strict.stdout + strict.stderr
+    if strict.returncode == 0:
+        if offsets := _OFFSET.findall(out):
+            return FitReport(Fit.OFFSET, "; ".join(offsets))
+        return FitReport(Fit.CLEAN, "")
+    if _patch(tree, patch.path, "--dry-run", "--reverse", "--fuzz=0").returncode == 0:
+        return FitReport(Fit.ALREADY_UPSTREAM, "applies in reverse")
+    loose = _patch(tree, patch.path, "--dry-run", "--fuzz=3")
+    if loose.returncode == 0:
+        fuzz = _FUZZ.findall(loose.stdout + loose.stderr)
+        return FitReport(Fit.FUZZ, "; ".join(fuzz))
+    failed = _FAILED.findall(loose.stdout + loose.stderr) or [out.strip()]
+    return FitReport(Fit.CONFLICT, "; ".join(failed))
+
+
+def _created_files(patch: Patch) -> set[str]:
+    text = patch.path.read_text()
+    created = set()
+    lines = text.splitlines()
+    for before, after in zip(lines, lines[1:]):
+        if before.startswith("--- /dev/null") and after.startswith("+++ "):
+            created.add(after[4:].split("\t")[0].removeprefix("b/"))
+    return created
+
+
+def apply_patch(tree: Path, patch: Patch) -> None:
+    report = classify(tree, patch)
+    if report.fit is not Fit.CLEAN:
+        raise OverlayError(
+            f"{patch.path}: does not apply exactly ({report.fit.value}: "
+            f"{report.detail})",
+            f"refresh it: `ci/overlay refresh {patch.name}` after fixing the "
+            "scratch tree (README, 'Refresh a patch')",
+        )
+    result = _patch(tree, patch.path, "--fuzz=0", "--quiet")
+    if result.returncode != 0:  # dry-run passed, so this is the machine's fault
+        raise OverlayError(
+            f"{patch.path}: patch failed after a clean dry-run: {result.stderr}",
+            "check disk space and permissions of the build directory",
+        )
+
+
+def apply_series(tree: Path, patches: list[Patch]) -> None:
+    for patch in patches:
+        apply_patch(tree, patch)
+        print(f"  applied {patch.name}", file=sys.stderr)

@@ -1,0 +1,103 @@
+"""Fetch a pinned release file into the download cache and verify it.
+
+Files come from the Python package index through its standard simple API
+(PEP 691 JSON): the index pip itself uses (``PIP_INDEX_URL`` or pip's
+default), so no host name is written down here. A file is written to the
+cache only after its sha256 matched, and checked again on every use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.pin import PinnedFile
+
+_SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+_CHUNK = 1 << 20
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def default_index_url() -> str:
+    if url := os.environ.get("PIP_INDEX_URL"):
+        return url.rstrip("/")
+    from pip._internal.models.index import PyPI  # pip's own default index
+
+    return PyPI.simple_url.rstrip("/")
+
+
+def _find_file_url(index_url: str, project: str, filename: str) -> str:
+    request = urllib.request.Request(
+        f"{index_url}/{project}/", headers={"Accept": _SIMPLE_JSON}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            listing = json.load(response)
+    except OSError as e:
+        raise OverlayError(
+            f"cannot read the package index for {project!r} at {index_url}: {e}",
+            "check network access to the package index, or place the file in "
+            "the download cache by hand (it is verified against pin.toml)",
+        ) from None
+    for entry in listing.get("files", []):
+        if entry.get("filename") == filename:
+            return str(entry["url"])
+    raise OverlayError(
+        f"{filename} is not listed by the package index for {project!r}",
+        "check the file name in pin.toml",
+    )
+
+
+def verify(path: Path, pinned: PinnedFile) -> Path:
+    actual = sha256_of(path)
+    if actual != pinned.sha256:
+        raise OverlayError(
+            f"{path}: sha256 {actual} does not match pin.toml ({pinned.sha256})",
+            f"the file is truncated or tampered with: delete {path} and run again "
+            "to download it afresh",
+        )
+    return path
+
+
+def fetch(pinned: PinnedFile, cache_dir: Path, index_url: str | None = None) -> Path:
+    """Return the verified path of ``pinned`` in ``cache_dir``."""
+    target = cache_dir / pinned.filename
+    if target.exists():
+        return verify(target, pinned)
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    url = _find_file_url(index_url or default_index_url(), "vllm", pinned.filename)
+    print(f"  downloading {pinned.filename}", file=sys.stderr)
+    partial = target.with_name(target.name + ".part")
+    try:
+        with urllib.request.urlopen(url, timeout=600) as response, partial.open(
+            "wb"
+        ) as out:
+            while chunk := response.read(_CHUNK):
+                out.write(chunk)
+        verify(partial, pinned)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise OverlayError(
+            f"download of {pinned.filename} failed: {e}", "run again"
+        ) from None
+    except OverlayError as e:
+        partial.unlink(missing_ok=True)
+        raise OverlayError(
+            f"downloaded {pinned.filename} does not match pin.toml: {e.what}",
+            "the index served a different file: check pin.toml's sha256",
+        ) from None
+    partial.replace(target)
+    return target

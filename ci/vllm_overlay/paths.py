@@ -1,0 +1,65 @@
+"""Where things live in a checkout. Everything generated is git-ignored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def pin(self) -> Path:
+        return self.root / "pin.toml"
+
+    @property
+    def patches(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def overlay(self) -> Path:
+        return self.root / "overlay"
+
+    @property
+    def build_requirements(self) -> Path:
+        return self.root / "ci" / "requirements-build.txt"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / ".cache"
+
+    @property
+    def downloads(self) -> Path:
+        return self.cache / "downloads"
+
+    @property
+    def build(self) -> Path:
+        return self.root / "build"
+
+    @property
+    def partial_tree(self) -> Path:
+        """The tree while patches go in; never built from."""
+        return self.build / "tree.partial"
+
+    @property
+    def tree(self) -> Path:
+        """The tree once the whole series and overlay are in."""
+        return self.build / "tree"
+
+    @property
+    def wheel_dir(self) -> Path:
+        return self.build / "wheel"
+
+    @property
+    def logs(self) -> Path:
+        return self.build / "logs"
+
+    @property
+    def dist(self) -> Path:
+        return self.root / "dist"
+
+
+def default_layout() -> Layout:
+    return Layout(Path(__file__).resolve().parents[2])

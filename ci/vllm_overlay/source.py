@@ -1,0 +1,111 @@
+"""Pick the pinned upstream source and lay a fresh scratch copy of it.
+
+``upstream/`` (the git submodule) is used when it is a populated checkout at
+the pinned commit and clean; otherwise the pinned sdist, which holds the
+whole repository tree. ``upstream/`` itself is never written to.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.fetch import fetch
+from vllm_overlay.pin import Pin
+
+
+@dataclass(frozen=True)
+class UpstreamSource:
+    kind: str  # "submodule" or "sdist"
+    description: str
+
+
+def _git(checkout: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(checkout), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def is_populated_checkout(checkout: Path) -> bool:
+    return (checkout / ".git").exists()
+
+
+def check_checkout(checkout: Path, pin: Pin) -> str:
+    """Return HEAD of ``checkout`` after checking it is the pin and clean."""
+    head = _git(checkout, "rev-parse", "HEAD")
+    if not pin.commit_matches(head):
+        wanted = pin.commit or f"{pin.commit_short}..."
+        raise OverlayError(
+            f"{checkout} is at {head}, pin.toml wants {wanted} ({pin.tag})",
+            f"run `git -C {checkout} checkout {pin.commit or pin.tag}` "
+            "(or `git submodule update upstream`)",
+        )
+    dirty = _git(checkout, "status", "--porcelain", "--untracked-files=all")
+    if dirty:
+        first = dirty.splitlines()[0]
+        raise OverlayError(
+            f"{checkout} has local changes ({first.strip()}, ...)",
+            f"patches live in patches/, not in {checkout}: run "
+            f"`git -C {checkout} stash -u` or `git -C {checkout} checkout -- .`",
+        )
+    return head
+
+
+def _extract_sdist(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist) as archive:
+        members = archive.getmembers()
+        top = {m.name.split("/", 1)[0] for m in members}
+        if len(top) != 1:
+            raise OverlayError(
+                f"{sdist}: expected one top-level directory, found {sorted(top)}",
+                "check pin.toml: this is not a vLLM sdist",
+            )
+        prefix = top.pop() + "/"
+        for member in members:
+            if not member.name.startswith(prefix):
+                continue
+            member.name = member.name[len(prefix):]
+            archive.extract(member, dest, filter="data")
+
+
+def lay_scratch_tree(
+    repo_root: Path, pin: Pin, cache_dir: Path, dest: Path
+) -> UpstreamSource:
+    """Fill ``dest`` (which must not exist) with the pinned upstream tree."""
+    checkout = repo_root / "upstream"
+    if is_populated_checkout(checkout):
+        head = check_checkout(checkout, pin)
+        dest.mkdir(parents=True)
+        archive = subprocess.Popen(
+            ["git", "-C", str(checkout), "archive", "--format=tar", "HEAD"],
+            stdout=subprocess.PIPE,
+        )
+        subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
+        if archive.wait() != 0:
+            raise OverlayError(f"git archive of {checkout} failed", "run again")
+        return UpstreamSource("submodule", f"upstream/ checkout at {head}")
+
+    sdist = fetch(pin.sdist, cache_dir)
+    dest.mkdir(parents=True)
+    _extract_sdist(sdist, dest)
+    return UpstreamSource(
+        "sdist", f"{pin.sdist.filename} (sha256 {pin.sdist.sha256[:12]}...)"
+    )
+
+
+def fresh_dir(path: Path) -> None:
+    """Remove what an earlier (maybe interrupted) run left at ``path``."""
+    if path.exists() or path.is_symlink():
+        print(f"  removing stale {path}", file=sys.stderr)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()

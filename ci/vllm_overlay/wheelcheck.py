@@ -1,0 +1,109 @@
+"""Check a built wheel against the official one.
+
+The member list must match; every member must be byte-identical except the
+files the series and overlay touch (which must equal the patched tree's),
+``vllm/_version.py`` and the dist-info; the requirements must be identical.
+Anything else is a difference the build introduced by accident.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass
+from email.parser import HeaderParser
+from pathlib import Path
+
+from vllm_overlay.errors import OverlayError
+
+VERSION_FILE = "vllm/_version.py"
+
+
+@dataclass(frozen=True)
+class WheelComparison:
+    missing: list[str]  # in the official wheel, not in ours
+    unexpected: list[str]  # in ours only, and not a file the overlay adds
+    differing: list[str]  # same name, other bytes, not a patched file
+    not_from_tree: list[str]  # patched files whose bytes are not the tree's
+    requirement_diff: list[str]
+    tag: str
+
+    def problems(self, expected_tag: str) -> list[str]:
+        out = [f"missing member {m}" for m in self.missing]
+        out += [f"unexpected member {m}" for m in self.unexpected]
+        out += [f"member differs from the official wheel: {m}" for m in self.differing]
+        out += [f"patched member is not the patched tree's file: {m}"
+                for m in self.not_from_tree]
+        out += [f"requirement differs: {r}" for r in self.requirement_diff]
+        if self.tag != expected_tag:
+            out.append(f"wheel tag {self.tag} is not the official {expected_tag}")
+        return out
+
+
+def _split_dist_info(names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Map member name to member name, with dist-info keyed without its dir."""
+    package: dict[str, str] = {}
+    dist_info: dict[str, str] = {}
+    for name in names:
+        if name.endswith("/"):
+            continue
+        top, _, rest = name.partition("/")
+        if top.endswith(".dist-info"):
+            dist_info[rest] = name
+        else:
+            package[name] = name
+    return package, dist_info
+
+
+def _requirements(archive: zipfile.ZipFile, metadata_name: str) -> list[str]:
+    message = HeaderParser().parsestr(archive.read(metadata_name).decode())
+    return message.get_all("Requires-Dist") or []
+
+
+def _tag(archive: zipfile.ZipFile, wheel_name: str) -> str:
+    message = HeaderParser().parsestr(archive.read(wheel_name).decode())
+    return ",".join(message.get_all("Tag") or [])
+
+
+def compare(built: Path, official: Path, tree: Path, touched: set[str]) -> WheelComparison:
+    """``touched``: upstream-relative paths the series or overlay change or add."""
+    with zipfile.ZipFile(built) as ours, zipfile.ZipFile(official) as theirs:
+        our_pkg, our_info = _split_dist_info(ours.namelist())
+        their_pkg, their_info = _split_dist_info(theirs.namelist())
+        changeable = touched | {VERSION_FILE}
+        missing = sorted(set(their_pkg) - set(our_pkg))
+        unexpected = sorted(set(our_pkg) - set(their_pkg) - touched)
+        differing: list[str] = []
+        not_from_tree: list[str] = []
+        for name in sorted(set(our_pkg) & set(their_pkg) | (set(our_pkg) & touched)):
+            data = ours.read(name)
+            if name in touched:
+                source = tree / name
+                if not source.is_file() or source.read_bytes() != data:
+                    not_from_tree.append(name)
+            elif name not in changeable and data != theirs.read(name):
+                differing.append(name)
+        missing += sorted(f"*.dist-info/{n}" for n in set(their_info) - set(our_info)
+                          if n != "RECORD")
+        ours_req = _requirements(ours, our_info["METADATA"])
+        theirs_req = _requirements(theirs, their_info["METADATA"])
+        requirement_diff = [f"- {r}" for r in theirs_req if r not in ours_req]
+        requirement_diff += [f"+ {r}" for r in ours_req if r not in theirs_req]
+        if not requirement_diff and ours_req != theirs_req:
+            requirement_diff = ["same requirements in another order"]
+        tag = _tag(ours, our_info["WHEEL"])
+    return WheelComparison(missing, unexpected, differing, not_from_tree,
+                           requirement_diff, tag)
+
+
+def check_wheel(built: Path, official: Path, tree: Path, touched: set[str],
+                expected_tag: str) -> None:
+    problems = compare(built, official, tree, touched).problems(expected_tag)
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise OverlayError(
+            f"{built.name} differs from the official wheel beyond the patched "
+            f"files:\n  {shown}{more}",
+            "a build step changed what it should not: read build/logs/ and "
+            "compare the trees; dist/ was left as it was",
+        )
