@@ -10,10 +10,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_overlay import apply, build, dist, fetch, overlay, series, source, wheelcheck
+from vllm_overlay import (
+    apply,
+    build,
+    dist,
+    fetch,
+    overlay,
+    series,
+    source,
+    testenv,
+    wheelcheck,
+    workspace,
+)
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, default_layout
 from vllm_overlay.pin import load_pin
+from vllm_overlay.proc import run_logged
 
 
 def _touched(layout: Layout) -> set[str]:
@@ -53,20 +65,31 @@ def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_build_env(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
-    return str(build.build_env(pin, layout.build_requirements, layout.cache,
-                               layout.logs))
+    return str(
+        build.build_env(pin, layout.build_requirements, layout.cache, layout.logs)
+    )
 
 
 def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
-    return str(build.build_wheel(args.tree, args.python, pin, args.mode,
-                                 args.official, layout.wheel_dir, layout.logs))
+    return str(
+        build.build_wheel(
+            args.tree,
+            args.python,
+            pin,
+            args.mode,
+            args.official,
+            layout.wheel_dir,
+            layout.logs,
+        )
+    )
 
 
 def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
-    wheelcheck.check_wheel(args.wheel, args.official, args.tree, _touched(layout),
-                           pin.wheel_tag)
+    wheelcheck.check_wheel(
+        args.wheel, args.official, args.tree, _touched(layout), pin.wheel_tag
+    )
     return str(args.wheel)
 
 
@@ -85,6 +108,46 @@ def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
     return "series ok"
 
 
+def cmd_test_env(layout: Layout, args: argparse.Namespace) -> str:
+    return str(
+        testenv.test_env(
+            args.wheel, layout.test_requirements, layout.cache, layout.logs
+        )
+    )
+
+
+def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
+    """ruff, with upstream's own configuration, on the files we change."""
+    files = sorted(f for f in _touched(layout) if f.endswith(".py"))
+    for ruff_args in (["check"], ["format", "--check"]):
+        run_logged(
+            [str(args.python), "-m", "ruff", *ruff_args, *files],
+            layout.logs / "ruff-upstream.log",
+            cwd=args.tree,
+        )
+    return f"ruff clean on {len(files)} patched or added upstream files"
+
+
+def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    source.fresh_dir(layout.workspace)
+    source.lay_scratch_tree(layout.root, pin, layout.downloads, layout.workspace)
+    workspace.make_workspace(
+        layout.workspace, series.load_series(layout.patches), args.upto
+    )
+    return str(layout.workspace)
+
+
+def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
+    workspace.new_patch(layout.workspace, args.name)
+    return f"committed {args.name}: edit its header with `git commit --amend`"
+
+
+def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
+    names = workspace.export(layout.workspace, layout.patches)
+    return f"exported {len(names)} patches to {layout.patches}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ci/overlay", description=__doc__)
     parser.add_argument("--root", type=Path, help="checkout to work on")
@@ -97,10 +160,12 @@ def _parser() -> argparse.ArgumentParser:
 
     add("fetch-wheel", cmd_fetch_wheel, "download and verify the official wheel")
     add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
-    add("apply-series", cmd_apply_series, "apply patches/series, zero fuzz"
-        ).add_argument("tree", type=Path)
-    add("copy-overlay", cmd_copy_overlay, "add overlay/ files to the tree"
-        ).add_argument("tree", type=Path)
+    add(
+        "apply-series", cmd_apply_series, "apply patches/series, zero fuzz"
+    ).add_argument("tree", type=Path)
+    add(
+        "copy-overlay", cmd_copy_overlay, "add overlay/ files to the tree"
+    ).add_argument("tree", type=Path)
     add("build-env", cmd_build_env, "bootstrap the build venv from the pin")
     p = add("build-wheel", cmd_build_wheel, "build the wheel of a tree")
     p.add_argument("tree", type=Path)
@@ -111,9 +176,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("wheel", type=Path)
     p.add_argument("--tree", type=Path, required=True)
     p.add_argument("--official", type=Path, required=True)
-    add("publish", cmd_publish, "move a checked wheel into dist/"
-        ).add_argument("wheel", type=Path)
+    add("publish", cmd_publish, "move a checked wheel into dist/").add_argument(
+        "wheel", type=Path
+    )
     add("lint", cmd_lint, "check the series and its DEP-3 headers")
+    add(
+        "workspace", cmd_workspace, "the series as git commits in build/workspace"
+    ).add_argument("--upto", metavar="PATCH", help="stop after this patch")
+    add("new", cmd_new, "commit workspace changes as a new patch").add_argument("name")
+    add("export", cmd_export, "write build/workspace's commits to patches/")
+    add(
+        "test-env", cmd_test_env, "CPU test venv with a built wheel installed"
+    ).add_argument("wheel", type=Path)
+    p = add("lint-upstream", cmd_lint_upstream, "ruff on patched upstream files")
+    p.add_argument("tree", type=Path)
+    p.add_argument("--python", type=Path, required=True)
     return parser
 
 

@@ -9,6 +9,7 @@ what the rebase dry-run reports.
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 import subprocess
 import sys
@@ -41,8 +42,16 @@ class FitReport:
 def _patch(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
-            "patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch",
-            "--reject-file=-", "-d", str(tree), "-i", str(patch.resolve()),
+            "patch",
+            "-p1",
+            "--batch",
+            "--forward",
+            "--no-backup-if-mismatch",
+            "--reject-file=-",
+            "-d",
+            str(tree),
+            "-i",
+            str(patch.resolve()),
             *options,
         ],
         capture_output=True,
@@ -77,7 +86,7 @@ def _created_files(patch: Patch) -> set[str]:
     text = patch.path.read_text()
     created = set()
     lines = text.splitlines()
-    for before, after in zip(lines, lines[1:]):
+    for before, after in itertools.pairwise(lines):
         if before.startswith("--- /dev/null") and after.startswith("+++ "):
             created.add(after[4:].split("\t")[0].removeprefix("b/"))
     return created
@@ -89,14 +98,26 @@ def apply_patch(tree: Path, patch: Patch) -> None:
         raise OverlayError(
             f"{patch.path}: does not apply exactly ({report.fit.value}: "
             f"{report.detail})",
-            f"refresh it: `ci/overlay refresh {patch.name}` after fixing the "
-            "scratch tree (README, 'Refresh a patch')",
+            f"refresh it: `ci/overlay workspace --upto {patch.name}`, fix the "
+            "last commit in build/workspace, then `ci/overlay export` (README, "
+            "'Refresh a patch')",
         )
     result = _patch(tree, patch.path, "--fuzz=0", "--quiet")
     if result.returncode != 0:  # dry-run passed, so this is the machine's fault
         raise OverlayError(
             f"{patch.path}: patch failed after a clean dry-run: {result.stderr}",
             "check disk space and permissions of the build directory",
+        )
+
+
+def apply_loosely(tree: Path, patch: Patch) -> None:
+    """Apply with quilt's tolerance (offset, fuzz); only for the workspace,
+    whose export then records the exact fit."""
+    result = _patch(tree, patch.path, "--fuzz=3", "--quiet")
+    if result.returncode != 0:
+        raise OverlayError(
+            f"{patch.path}: {result.stdout}{result.stderr}",
+            "resolve it by hand in the workspace",
         )
 
 

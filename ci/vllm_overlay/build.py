@@ -12,56 +12,27 @@ requirements change.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.pin import Pin
+from vllm_overlay.proc import run_logged
+from vllm_overlay.venv import ensure_venv
 
 MODES = ("python-only", "from-source")
 
 
-def _run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None,
-                cwd: Path | None = None) -> None:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd)
-    if result.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise OverlayError(
-            f"`{' '.join(cmd[:4])} ...` failed (exit {result.returncode}); last "
-            f"lines of {log}:\n{tail}",
-            f"read {log}; fix the cause and run build.sh again",
-        )
-
-
 def build_env(pin: Pin, requirements: Path, cache_dir: Path, log_dir: Path) -> Path:
     """Return the python of a ready build venv for ``pin``."""
-    spec = f"torch=={pin.build_torch}\n{requirements.read_text()}{sys.version}"
-    key = hashlib.sha256(spec.encode()).hexdigest()[:16]
-    env = cache_dir / f"build-env-{key}"
-    python = env / "bin" / "python"
-    stamp = env / ".complete"
-    if stamp.exists():
-        return python
-    if env.exists():  # an earlier bootstrap was interrupted
-        shutil.rmtree(env)
-    print(f"  creating build environment {env.name} (torch {pin.build_torch})",
-          file=sys.stderr)
-    log = log_dir / "build-env.log"
-    _run_logged([sys.executable, "-m", "venv", str(env)], log)
-    _run_logged(
-        [str(python), "-m", "pip", "install", "--quiet",
-         f"torch=={pin.build_torch}", "-r", str(requirements)],
-        log,
+    return ensure_venv(
+        cache_dir,
+        "build-env",
+        [f"torch=={pin.build_torch}", "-r", str(requirements)],
+        requirements.read_text(),
+        log_dir / "build-env.log",
     )
-    stamp.write_text(spec)
-    return python
 
 
 def build_wheel(
@@ -88,9 +59,18 @@ def build_wheel(
     else:
         env.pop("VLLM_USE_PRECOMPILED", None)
         env.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    _run_logged(
-        [str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-         "--wheel-dir", str(out_dir), str(tree)],
+    run_logged(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "--wheel-dir",
+            str(out_dir),
+            str(tree),
+        ],
         log_dir / f"wheel-{mode}.log",
         env=env,
     )
@@ -110,10 +90,21 @@ def _retag(wheel: Path, python: Path, pin: Pin, log_dir: Path) -> Path:
     compiled members are the official abi3 ones, so the official tag is true.
     """
     python_tag, abi_tag, platform_tag = pin.wheel_tag.split("-")
-    _run_logged(
-        [str(python), "-m", "wheel", "tags", "--remove",
-         "--python-tag", python_tag, "--abi-tag", abi_tag,
-         "--platform-tag", platform_tag, str(wheel)],
+    run_logged(
+        [
+            str(python),
+            "-m",
+            "wheel",
+            "tags",
+            "--remove",
+            "--python-tag",
+            python_tag,
+            "--abi-tag",
+            abi_tag,
+            "--platform-tag",
+            platform_tag,
+            str(wheel),
+        ],
         log_dir / "retag.log",
     )
     expected = wheel.parent / f"vllm-{pin.overlay_version}-{pin.wheel_tag}.whl"

@@ -16,8 +16,12 @@ _AT_FDCWD = -100
 def _exchange(a: Path, b: Path) -> None:
     """Swap two directories atomically (Linux renameat2)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
-                      _RENAME_EXCHANGE) != 0:
+    if (
+        libc.renameat2(
+            _AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE
+        )
+        != 0
+    ):
         err = ctypes.get_errno()
         raise OSError(err, f"renameat2({a}, {b}): {os.strerror(err)}")
 

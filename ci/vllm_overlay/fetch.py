@@ -82,9 +82,10 @@ def fetch(pinned: PinnedFile, cache_dir: Path, index_url: str | None = None) -> 
     print(f"  downloading {pinned.filename}", file=sys.stderr)
     partial = target.with_name(target.name + ".part")
     try:
-        with urllib.request.urlopen(url, timeout=600) as response, partial.open(
-            "wb"
-        ) as out:
+        with (
+            urllib.request.urlopen(url, timeout=600) as response,
+            partial.open("wb") as out,
+        ):
             while chunk := response.read(_CHUNK):
                 out.write(chunk)
         verify(partial, pinned)

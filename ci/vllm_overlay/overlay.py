@@ -26,8 +26,8 @@ def copy_overlay(overlay_dir: Path, tree: Path) -> list[str]:
     if collisions:
         raise OverlayError(
             f"overlay/{collisions[0]} would replace the upstream file "
-            f"{collisions[0]}" + (f" (and {len(collisions) - 1} more)"
-                                  if len(collisions) > 1 else ""),
+            f"{collisions[0]}"
+            + (f" (and {len(collisions) - 1} more)" if len(collisions) > 1 else ""),
             "overlay/ only adds files: express the change as a patch "
             "(`ci/overlay new NAME`, README 'Add a patch') and remove it from "
             "overlay/",

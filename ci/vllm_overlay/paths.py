@@ -27,6 +27,10 @@ class Layout:
         return self.root / "ci" / "requirements-build.txt"
 
     @property
+    def test_requirements(self) -> Path:
+        return self.root / "ci" / "requirements-test.txt"
+
+    @property
     def cache(self) -> Path:
         return self.root / ".cache"
 
@@ -47,6 +51,11 @@ class Layout:
     def tree(self) -> Path:
         """The tree once the whole series and overlay are in."""
         return self.build / "tree"
+
+    @property
+    def workspace(self) -> Path:
+        """The maintainer's git workspace (README, 'Refresh a patch')."""
+        return self.build / "workspace"
 
     @property
     def wheel_dir(self) -> Path:

@@ -75,7 +75,9 @@ def load_pin(path: Path) -> Pin:
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise OverlayError(f"pin file {path} not found", "run from a checkout") from None
+        raise OverlayError(
+            f"pin file {path} not found", "run from a checkout"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise OverlayError(f"{path}: not valid TOML: {e}", f"fix {path.name}") from None
 
@@ -85,13 +87,21 @@ def load_pin(path: Path) -> Pin:
     version = _get(data, "upstream.version", path)
     sdist = PinnedFile(
         _get(data, "upstream.sdist.filename", path),
-        _checked(_get(data, "upstream.sdist.sha256", path), _SHA256,
-                 "upstream.sdist.sha256", path),
+        _checked(
+            _get(data, "upstream.sdist.sha256", path),
+            _SHA256,
+            "upstream.sdist.sha256",
+            path,
+        ),
     )
     wheel = PinnedFile(
         _get(data, "upstream.wheel.filename", path),
-        _checked(_get(data, "upstream.wheel.sha256", path), _SHA256,
-                 "upstream.wheel.sha256", path),
+        _checked(
+            _get(data, "upstream.wheel.sha256", path),
+            _SHA256,
+            "upstream.wheel.sha256",
+            path,
+        ),
     )
     wheel_tag = _get(data, "upstream.wheel.tag", path)
     expected_wheel_name = f"vllm-{version}-{wheel_tag}.whl"
@@ -119,6 +129,10 @@ def load_pin(path: Path) -> Pin:
         wheel_tag=wheel_tag,
         wheel_torch=_get(data, "upstream.wheel.torch", path),
         build_torch=_get(data, "build.torch", path),
-        local_label=_checked(_get(data, "overlay.local_label", path), _LOCAL_LABEL,
-                             "overlay.local_label", path),
+        local_label=_checked(
+            _get(data, "overlay.local_label", path),
+            _LOCAL_LABEL,
+            "overlay.local_label",
+            path,
+        ),
     )

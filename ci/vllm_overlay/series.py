@@ -47,9 +47,7 @@ def parse_header(text: str) -> dict[str, str]:
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
-    return tuple(
-        m.group(1) for line in text.splitlines() if (m := _TARGET.match(line))
-    )
+    return tuple(m.group(1) for line in text.splitlines() if (m := _TARGET.match(line)))
 
 
 def read_series(patches_dir: Path) -> list[str]:
@@ -89,8 +87,7 @@ def load_series(patches_dir: Path) -> list[Patch]:
     for name in names:
         if not (patches_dir / name).is_file():
             raise OverlayError(
-                f"{patches_dir / 'series'} lists {name}, which is not in "
-                f"{patches_dir}",
+                f"{patches_dir / 'series'} lists {name}, which is not in {patches_dir}",
                 f"add {patches_dir / name} or remove its line from series",
             )
     unlisted = sorted(
@@ -127,6 +124,11 @@ def header_problems(patch: Patch) -> list[str]:
     ]
     if not any(patch.header.get(field) for field in ONE_OF_FIELDS):
         problems.append("DEP-3 needs an 'Author' or an 'Origin' field")
+    problems += [
+        f"DEP-3 field {field!r} still holds the template text"
+        for field, value in patch.header.items()
+        if value.startswith("<")
+    ]
     last_update = patch.header.get("Last-Update", "")
     if last_update and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", last_update):
         problems.append(f"Last-Update {last_update!r} is not YYYY-MM-DD")

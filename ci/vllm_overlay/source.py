@@ -72,7 +72,7 @@ def _extract_sdist(sdist: Path, dest: Path) -> None:
         for member in members:
             if not member.name.startswith(prefix):
                 continue
-            member.name = member.name[len(prefix):]
+            member.name = member.name[len(prefix) :]
             archive.extract(member, dest, filter="data")
 
 

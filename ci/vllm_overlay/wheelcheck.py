@@ -31,8 +31,10 @@ class WheelComparison:
         out = [f"missing member {m}" for m in self.missing]
         out += [f"unexpected member {m}" for m in self.unexpected]
         out += [f"member differs from the official wheel: {m}" for m in self.differing]
-        out += [f"patched member is not the patched tree's file: {m}"
-                for m in self.not_from_tree]
+        out += [
+            f"patched member is not the patched tree's file: {m}"
+            for m in self.not_from_tree
+        ]
         out += [f"requirement differs: {r}" for r in self.requirement_diff]
         if self.tag != expected_tag:
             out.append(f"wheel tag {self.tag} is not the official {expected_tag}")
@@ -64,7 +66,9 @@ def _tag(archive: zipfile.ZipFile, wheel_name: str) -> str:
     return ",".join(message.get_all("Tag") or [])
 
 
-def compare(built: Path, official: Path, tree: Path, touched: set[str]) -> WheelComparison:
+def compare(
+    built: Path, official: Path, tree: Path, touched: set[str]
+) -> WheelComparison:
     """``touched``: upstream-relative paths the series or overlay change or add."""
     with zipfile.ZipFile(built) as ours, zipfile.ZipFile(official) as theirs:
         our_pkg, our_info = _split_dist_info(ours.namelist())
@@ -82,8 +86,9 @@ def compare(built: Path, official: Path, tree: Path, touched: set[str]) -> Wheel
                     not_from_tree.append(name)
             elif name not in changeable and data != theirs.read(name):
                 differing.append(name)
-        missing += sorted(f"*.dist-info/{n}" for n in set(their_info) - set(our_info)
-                          if n != "RECORD")
+        missing += sorted(
+            f"*.dist-info/{n}" for n in set(their_info) - set(our_info) if n != "RECORD"
+        )
         ours_req = _requirements(ours, our_info["METADATA"])
         theirs_req = _requirements(theirs, their_info["METADATA"])
         requirement_diff = [f"- {r}" for r in theirs_req if r not in ours_req]
@@ -91,12 +96,14 @@ def compare(built: Path, official: Path, tree: Path, touched: set[str]) -> Wheel
         if not requirement_diff and ours_req != theirs_req:
             requirement_diff = ["same requirements in another order"]
         tag = _tag(ours, our_info["WHEEL"])
-    return WheelComparison(missing, unexpected, differing, not_from_tree,
-                           requirement_diff, tag)
+    return WheelComparison(
+        missing, unexpected, differing, not_from_tree, requirement_diff, tag
+    )
 
 
-def check_wheel(built: Path, official: Path, tree: Path, touched: set[str],
-                expected_tag: str) -> None:
+def check_wheel(
+    built: Path, official: Path, tree: Path, touched: set[str], expected_tag: str
+) -> None:
     problems = compare(built, official, tree, touched).problems(expected_tag)
     if problems:
         shown = "\n  ".join(problems[:20])

@@ -1,0 +1,84 @@
+"""The CPU test environment: the built wheel with what runs without a GPU.
+
+The engine's requirements are read from the wheel's own METADATA, so they
+cannot drift from what ships; the GPU-only ones (kernels, CUDA libraries,
+video codecs) are left out, and torch is the CPU build named in TEST_TORCH.
+The wheel itself goes in with ``--no-deps``, as in the container image.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import zipfile
+from email.parser import HeaderParser
+from pathlib import Path
+
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.proc import run_logged
+from vllm_overlay.venv import ensure_venv
+
+# CPU build of torch that the project's machines carry on disk; the core
+# engine modules import and run with it (shared/FACTS.md).
+TEST_TORCH = "torch==2.13.0"
+# Requirements that only install or work with an NVIDIA GPU, and torch's own
+# family (replaced by TEST_TORCH).
+GPU_ONLY = re.compile(
+    r"^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer-python"
+    r"|apache-tvm-ffi|tilelang|nvidia-[a-z0-9-]+|nvtx|fastsafetensors|instanttensor"
+    r"|quack-kernels|tokenspeed-mla|humming-kernels)\b",
+    re.IGNORECASE,
+)
+
+
+def engine_requirements(wheel: Path) -> list[str]:
+    """The wheel's unconditional requirements that run on a CPU."""
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [
+            n for n in archive.namelist() if n.endswith(".dist-info/METADATA")
+        ]
+        message = HeaderParser().parsestr(archive.read(metadata).decode())
+    return [
+        r
+        for r in message.get_all("Requires-Dist") or []
+        if "extra ==" not in r and not GPU_ONLY.match(r)
+    ]
+
+
+def test_env(
+    wheel: Path, test_requirements: Path, cache_dir: Path, log_dir: Path
+) -> Path:
+    """Return the python of a venv with ``wheel`` and the test tools."""
+    engine = [TEST_TORCH, *engine_requirements(wheel)]
+    python = ensure_venv(
+        cache_dir,
+        "test-env",
+        [*engine, "-r", str(test_requirements)],
+        test_requirements.read_text(),
+        log_dir / "test-env.log",
+    )
+    run_logged(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--force-reinstall",
+            str(wheel),
+        ],
+        log_dir / "test-env-wheel.log",
+    )
+    version = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    if f"vllm-{version}-" not in wheel.name:
+        raise OverlayError(
+            f"{python}: vllm {version!r} is installed, not {wheel.name}",
+            f"delete {python.parents[1]} and run again",
+        )
+    return python
