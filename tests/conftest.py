@@ -1,0 +1,81 @@
+"""Fixtures for the tooling tests: small synthetic checkouts, and the real
+pinned release where a synthetic one is not enough."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.paths import Layout, default_layout
+
+REPO = default_layout()
+PATCH_HEADER = """\
+Description: test patch
+Author: Test <test@example.invalid>
+Forwarded: not-needed, test fixture
+Last-Update: 2026-12-01
+---
+"""
+
+
+def make_patch(
+    old: str, new: str, path: str = "pkg/mod.py", header: str = PATCH_HEADER
+) -> str:
+    """A -p1 patch of ``path`` from ``old`` to ``new`` (diff -u)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for side, text in (("a", old), ("b", new)):
+            (work / side / path).parent.mkdir(parents=True)
+            (work / side / path).write_text(text)
+        diff = subprocess.run(
+            ["diff", "-u", f"a/{path}", f"b/{path}"],
+            cwd=work,
+            capture_output=True,
+            text=True,
+        ).stdout
+    return (
+        header
+        + "\n".join(
+            line.split("\t")[0] if line.startswith(("--- ", "+++ ")) else line
+            for line in diff.splitlines()
+        )
+        + "\n"
+    )
+
+
+LINES = "".join(f"line {i}\n" for i in range(1, 31))
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A tiny upstream tree."""
+    root = tmp_path / "tree"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "mod.py").write_text(LINES)
+    return root
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Layout:
+    """A synthetic project checkout: pin, empty series, no overlay."""
+    root = tmp_path / "checkout"
+    (root / "patches").mkdir(parents=True)
+    (root / "patches" / "series").write_text("# test series\n")
+    (root / "overlay").mkdir()
+    shutil.copy(REPO.pin, root / "pin.toml")
+    return Layout(root)
+
+
+def write_series(layout: Layout, patches: dict[str, str]) -> None:
+    for name, text in patches.items():
+        (layout.patches / name).write_text(text)
+    (layout.patches / "series").write_text("\n".join(patches) + "\n")
+
+
+def dedent(text: str) -> str:
+    return textwrap.dedent(text).lstrip()

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from vllm_overlay import dist
+from vllm_overlay.fetch import sha256_of
+
+
+def test_publish_replaces_dist_whole(tmp_path: Path) -> None:
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "vllm-old.whl").write_text("old")
+    wheel = tmp_path / "vllm-new.whl"
+    wheel.write_text("new wheel")
+    published = dist.publish(wheel, tmp_path / "dist", tmp_path / "build")
+    assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == [
+        "vllm-new.whl",
+        "vllm-new.whl.sha256",
+    ]
+    assert published.read_text() == "new wheel"
+    assert (tmp_path / "dist" / "vllm-new.whl.sha256").read_text() == (
+        f"{sha256_of(wheel)}  vllm-new.whl\n"
+    )
+    assert not (tmp_path / "build" / "dist.new").exists()
+
+
+def test_publish_into_missing_dist(tmp_path: Path) -> None:
+    wheel = tmp_path / "w.whl"
+    wheel.write_text("w")
+    dist.publish(wheel, tmp_path / "dist", tmp_path / "build")
+    assert (tmp_path / "dist" / "w.whl").exists()
+
+
+def test_killed_publish_leaves_dist_whole(tmp_path: Path) -> None:
+    """Kill the publisher at random points: dist/ is always old or new."""
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "old.whl").write_bytes(b"o" * 10)
+    wheel = tmp_path / "new.whl"
+    wheel.write_bytes(os.urandom(64 << 20))
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(Path(dist.__file__).parents[1])!r})
+        from pathlib import Path
+        from vllm_overlay import dist
+        print("go", flush=True)
+        dist.publish(Path({str(wheel)!r}), Path({str(tmp_path / "dist")!r}),
+                     Path({str(tmp_path / "build")!r}))
+    """)
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline() == b"go\n"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        names = sorted(p.name for p in (tmp_path / "dist").iterdir())
+        assert names in (["old.whl"], ["new.whl", "new.whl.sha256"])

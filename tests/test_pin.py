@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.paths import Layout
+from vllm_overlay.pin import load_pin
+
+
+def test_project_pin_loads() -> None:
+    pin = load_pin(REPO.pin)
+    assert pin.overlay_version.startswith(f"{pin.version}+")
+    assert pin.wheel.filename == f"vllm-{pin.version}-{pin.wheel_tag}.whl"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ('sha256 = "f4c33c25', 'sha256 = "F4C33C25', "upstream.sdist.sha256"),
+        (
+            'local_label = "overlay.1"',
+            'local_label = "Overlay_1"',
+            "overlay.local_label",
+        ),
+        ('commit = ""', 'commit = "4ba787ec9"', "upstream.commit"),
+        (
+            'tag = "cp38-abi3-manylinux_2_28_x86_64"',
+            'tag = "cp311-cp311-linux"',
+            "does not match version and tag",
+        ),
+        ('torch = "2.14.1"', "torch = 2.14", "build.torch must be a string"),
+        ('torch = "2.14.1"', 'torch = "2.14.1', "not valid TOML"),
+        ('version = "0.33.0"\n', "", "missing key 'upstream.version'"),
+    ],
+)
+def test_bad_pin_names_the_key(
+    checkout: Layout, old: str, new: str, message: str
+) -> None:
+    text = checkout.pin.read_text()
+    assert old in text
+    checkout.pin.write_text(text.replace(old, new, 1))
+    with pytest.raises(OverlayError, match=message) as e:
+        load_pin(checkout.pin)
+    assert str(checkout.pin) in e.value.what

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import pytest
+
+from conftest import LINES, PATCH_HEADER, make_patch, write_series
+from vllm_overlay import series
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.paths import Layout
+
+GOOD = make_patch(LINES, LINES.replace("line 5\n", "line five\n"))
+
+
+def test_series_lists_patches_in_order(checkout: Layout) -> None:
+    write_series(checkout, {"0002-b.patch": GOOD, "0001-a.patch": GOOD})
+    names = [p.name for p in series.load_series(checkout.patches)]
+    assert names == ["0002-b.patch", "0001-a.patch"]
+    assert series.load_series(checkout.patches)[0].targets == ("pkg/mod.py",)
+
+
+def test_entry_without_file(checkout: Layout) -> None:
+    (checkout.patches / "series").write_text("0001-missing.patch\n")
+    with pytest.raises(OverlayError, match="lists 0001-missing.patch, which is not"):
+        series.load_series(checkout.patches)
+
+
+def test_file_without_entry(checkout: Layout) -> None:
+    write_series(checkout, {"0001-a.patch": GOOD})
+    (checkout.patches / "0002-stray.patch").write_text(GOOD)
+    with pytest.raises(OverlayError, match="series does not list: 0002-stray.patch"):
+        series.load_series(checkout.patches)
+
+
+def test_duplicate_entry(checkout: Layout) -> None:
+    write_series(checkout, {"0001-a.patch": GOOD})
+    (checkout.patches / "series").write_text("0001-a.patch\n0001-a.patch\n")
+    with pytest.raises(OverlayError, match="series:2: 0001-a.patch is listed twice"):
+        series.load_series(checkout.patches)
+
+
+def test_path_outside_the_tree(checkout: Layout) -> None:
+    write_series(
+        checkout, {"0001-a.patch": GOOD.replace("b/pkg/mod.py", "b/../etc/passwd")}
+    )
+    with pytest.raises(OverlayError, match="leaves the tree"):
+        series.load_series(checkout.patches)
+
+
+def test_options_other_than_p1(checkout: Layout) -> None:
+    write_series(checkout, {"0001-a.patch": GOOD})
+    (checkout.patches / "series").write_text("0001-a.patch -p0\n")
+    with pytest.raises(OverlayError, match="unsupported options '-p0'"):
+        series.load_series(checkout.patches)
+
+
+def test_dep3_header_fields() -> None:
+    header = series.parse_header(
+        "Description: first line\n second line\nAuthor: A <a@b>\n"
+        "Forwarded: not-needed\nLast-Update: 2026-12-01\n---\n--- a/x\n"
+    )
+    assert header == {
+        "Description": "first line\nsecond line",
+        "Author": "A <a@b>",
+        "Forwarded": "not-needed",
+        "Last-Update": "2026-12-01",
+    }
+
+
+@pytest.mark.parametrize(
+    ("header", "problem"),
+    [
+        (
+            PATCH_HEADER.replace("Forwarded: not-needed, test fixture\n", ""),
+            "'Forwarded' is missing",
+        ),
+        (
+            PATCH_HEADER.replace("Author: Test <test@example.invalid>\n", ""),
+            "'Author' or an 'Origin'",
+        ),
+        (PATCH_HEADER.replace("2026-12-01", "yesterday"), "not YYYY-MM-DD"),
+        (
+            PATCH_HEADER.replace("test patch", "<what the patch changes>"),
+            "template text",
+        ),
+    ],
+)
+def test_lint_finds_header_problems(
+    checkout: Layout, header: str, problem: str
+) -> None:
+    write_series(
+        checkout, {"0001-a.patch": make_patch(LINES, LINES + "x\n", header=header)}
+    )
+    (patch,) = series.load_series(checkout.patches)
+    assert any(problem in p for p in series.header_problems(patch))
+
+
+def test_good_header_has_no_problems(checkout: Layout) -> None:
+    write_series(checkout, {"0001-a.patch": GOOD})
+    (patch,) = series.load_series(checkout.patches)
+    assert series.header_problems(patch) == []

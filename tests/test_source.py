@@ -1,0 +1,91 @@
+"""Which upstream source a build uses, and the checks on a submodule."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay import source
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.paths import Layout
+from vllm_overlay.pin import Pin, load_pin
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def _pin_at(layout: Layout, commit_short: str) -> Pin:
+    text = layout.pin.read_text()
+    text = text.replace(
+        'commit_short = "4ba787ec9"', f'commit_short = "{commit_short}"'
+    )
+    layout.pin.write_text(text)
+    return load_pin(layout.pin)
+
+
+@pytest.fixture
+def submodule(checkout: Layout) -> Path:
+    repo = checkout.root / "upstream"
+    (repo / "vllm").mkdir(parents=True)
+    (repo / "vllm" / "x.py").write_text("x = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "v0")
+    return repo
+
+
+def test_clean_checkout_at_pin_is_used(checkout: Layout, submodule: Path) -> None:
+    pin = _pin_at(checkout, _git(submodule, "rev-parse", "HEAD")[:9])
+    dest = checkout.build / "tree"
+    used = source.lay_scratch_tree(checkout.root, pin, checkout.downloads, dest)
+    assert used.kind == "submodule"
+    assert (dest / "vllm" / "x.py").read_text() == "x = 1\n"
+    assert not (dest / ".git").exists()
+
+
+def test_wrong_commit_is_refused(checkout: Layout, submodule: Path) -> None:
+    pin = _pin_at(checkout, "000000000")
+    with pytest.raises(OverlayError, match="pin.toml wants 000000000") as e:
+        source.lay_scratch_tree(
+            checkout.root, pin, checkout.downloads, checkout.build / "tree"
+        )
+    assert "checkout v0.33.0" in e.value.next_step
+    assert not (checkout.build / "tree").exists()
+
+
+@pytest.mark.parametrize("change", ["modified", "untracked"])
+def test_dirty_checkout_is_refused(
+    checkout: Layout, submodule: Path, change: str
+) -> None:
+    pin = _pin_at(checkout, _git(submodule, "rev-parse", "HEAD")[:9])
+    name = "x.py" if change == "modified" else "y.py"
+    (submodule / "vllm" / name).write_text("patched in place\n")
+    with pytest.raises(OverlayError, match="has local changes") as e:
+        source.lay_scratch_tree(
+            checkout.root, pin, checkout.downloads, checkout.build / "tree"
+        )
+    assert "patches live in patches/" in e.value.next_step
+
+
+def test_full_commit_must_match_exactly(checkout: Layout, submodule: Path) -> None:
+    head = _git(submodule, "rev-parse", "HEAD")
+    text = checkout.pin.read_text().replace('commit = ""', f'commit = "{head}"')
+    checkout.pin.write_text(text)
+    assert load_pin(checkout.pin).commit_matches(head)
+    assert not load_pin(checkout.pin).commit_matches(head[:-1] + "0")
+
+
+def test_stale_directory_is_removed(tmp_path: Path) -> None:
+    stale = tmp_path / "tree"
+    (stale / "deep").mkdir(parents=True)
+    (stale / "deep" / "leftover").write_text("from an interrupted run")
+    source.fresh_dir(stale)
+    assert not stale.exists()
