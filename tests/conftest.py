@@ -74,7 +74,9 @@ def checkout(tmp_path: Path) -> Layout:
 def write_series(layout: Layout, patches: dict[str, str]) -> None:
     for name, text in patches.items():
         (layout.patches / name).write_text(text)
-    (layout.patches / "series").write_text("\n".join(patches) + "\n")
+    (layout.patches / "series").write_text(
+        "# test series\n" + "\n".join(patches) + "\n"
+    )
 
 
 def dedent(text: str) -> str:

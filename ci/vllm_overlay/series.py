@@ -28,13 +28,21 @@ class Patch:
     targets: tuple[str, ...]  # upstream-relative paths the patch touches
 
 
+def header_text(text: str) -> str:
+    """Everything before the first file diff, verbatim."""
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        if _DIFF_START.match(line):
+            break
+        offset += len(line)
+    return text[:offset]
+
+
 def parse_header(text: str) -> dict[str, str]:
     """DEP-3 fields before the diff; continuation lines start with a space."""
     fields: dict[str, str] = {}
     last: str | None = None
-    for line in text.splitlines():
-        if _DIFF_START.match(line):
-            break
+    for line in header_text(text).splitlines():
         if line.startswith((" ", "\t")) and last is not None:
             fields[last] += "\n" + line.strip()
             continue

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vllm_overlay import apply
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.series import Patch, load_series
+from vllm_overlay.series import Patch, header_text, load_series
 
 BASE_MESSAGE = "upstream"
 _ENV = {
@@ -56,16 +56,6 @@ def git(repo: Path, *args: str, input: str | None = None) -> str:
     return result.stdout
 
 
-def header_of(patch_text: str) -> str:
-    """Everything before the first file diff, verbatim."""
-    index = patch_text.find("\ndiff --git ")
-    if patch_text.startswith("diff --git "):
-        return ""
-    if index < 0:
-        raise OverlayError("patch has no `diff --git` section", "re-export it")
-    return patch_text[: index + 1]
-
-
 def _commit(repo: Path, message: str) -> None:
     git(repo, "add", "-A")
     git(
@@ -88,7 +78,7 @@ def make_workspace(tree: Path, patches: list[Patch], upto: str | None) -> None:
         report = apply.classify(tree, patch)
         if report.fit in (apply.Fit.CONFLICT, apply.Fit.TARGET_GONE):
             pending = tree / ".git" / "PENDING_HEADER"
-            pending.write_text(f"{patch.name}\n\n{header_of(patch.path.read_text())}")
+            pending.write_text(f"{patch.name}\n\n{header_text(patch.path.read_text())}")
             raise OverlayError(
                 f"{patch.name} does not apply to the workspace ({report.fit.value}: "
                 f"{report.detail})",
@@ -97,7 +87,7 @@ def make_workspace(tree: Path, patches: list[Patch], upto: str | None) -> None:
                 "the later patches the same way, and `ci/overlay export`",
             )
         apply.apply_loosely(tree, patch)
-        _commit(tree, f"{patch.name}\n\n{header_of(patch.path.read_text())}")
+        _commit(tree, f"{patch.name}\n\n{header_text(patch.path.read_text())}")
         note = "" if report.fit is apply.Fit.CLEAN else f" ({report.fit.value})"
         print(f"  committed {patch.name}{note}", file=sys.stderr)
         if patch.name == upto:
