@@ -13,8 +13,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
+from conftest import REPO
 from vllm_overlay import apply, fetch, overlay, series, source, wheelcheck, workspace
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import load_pin
@@ -43,7 +43,8 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _touched() -> set[str]:
     patches = series.load_series(REPO.patches)
     return {t for p in patches for t in p.targets} | set(
-        overlay.overlay_files(REPO.overlay))
+        overlay.overlay_files(REPO.overlay)
+    )
 
 
 def test_series_is_not_empty() -> None:
@@ -58,8 +59,11 @@ def test_quilt_accepts_the_series_unchanged(pristine: Path, tmp_path: Path) -> N
     patches = series.load_series(REPO.patches)
     apply.apply_series(ours, patches)
     result = subprocess.run(
-        ["quilt", "push", "-a", "--fuzz=0"], cwd=theirs, capture_output=True,
-        text=True, env={**os.environ, "QUILT_PATCHES": str(REPO.patches)},
+        ["quilt", "push", "-a", "--fuzz=0"],
+        cwd=theirs,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "QUILT_PATCHES": str(REPO.patches)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "offset" not in result.stdout and "fuzz" not in result.stdout
@@ -77,7 +81,8 @@ def test_workspace_round_trip_of_the_real_series(tmp_path: Path) -> None:
     for name in sorted(p.name for p in REPO.patches.iterdir()):
         assert (exported / name).read_bytes() == (REPO.patches / name).read_bytes(), (
             f"patches/{name} is not in export format: run `ci/overlay workspace` "
-            "and `ci/overlay export`")
+            "and `ci/overlay export`"
+        )
 
 
 def test_built_wheel_passes_the_check() -> None:
@@ -107,23 +112,38 @@ def _rewrite(src: Path, dest: Path, edit) -> Path:
 @pytest.mark.parametrize(
     ("edit", "problem"),
     [
-        (lambda n, d: d + b"#" if n == "vllm/envs.py" else d,
-         "member differs from the official wheel: vllm/envs.py"),
-        (lambda n, d: None if n == "vllm/envs.py" else d,
-         "missing member vllm/envs.py"),
-        (lambda n, d: d.replace(b"Requires-Dist: msgspec\n", b"")
-         if n.endswith("METADATA") else d, "requirement differs: - msgspec"),
-        (lambda n, d: d.replace(b"abi3", b"cp311") if n.endswith("/WHEEL") else d,
-         "is not the official"),
-        (lambda n, d: d + b"#" if n == "vllm/v1/core/block_pool.py" else d,
-         "patched member is not the patched tree's file: vllm/v1/core/block_pool.py"),
+        (
+            lambda n, d: d + b"#" if n == "vllm/envs.py" else d,
+            "member differs from the official wheel: vllm/envs.py",
+        ),
+        (
+            lambda n, d: None if n == "vllm/envs.py" else d,
+            "missing member vllm/envs.py",
+        ),
+        (
+            lambda n, d: (
+                d.replace(b"Requires-Dist: msgspec\n", b"")
+                if n.endswith("METADATA")
+                else d
+            ),
+            "requirement differs: - msgspec",
+        ),
+        (
+            lambda n, d: d.replace(b"abi3", b"cp311") if n.endswith("/WHEEL") else d,
+            "is not the official",
+        ),
+        (
+            lambda n, d: d + b"#" if n == "vllm/v1/core/block_pool.py" else d,
+            "patched member is not the patched tree's file: vllm/v1/core/block_pool.py",
+        ),
     ],
     ids=["changed", "missing", "requirement", "tag", "patched-not-from-tree"],
 )
 def test_wheel_check_catches(tmp_path: Path, edit, problem: str) -> None:
     bad = _rewrite(_built_wheel(), tmp_path / _built_wheel().name, edit)
     problems = wheelcheck.compare(bad, _official(), REPO.tree, _touched()).problems(
-        PIN.wheel_tag)
+        PIN.wheel_tag
+    )
     assert any(problem in p for p in problems), problems
 
 
@@ -132,8 +152,12 @@ def checkout_copy(tmp_path: Path) -> Layout:
     """A copy of this checkout's tracked files sharing its download and
     build-env cache, with a dist/ of its own."""
     root = tmp_path / "checkout"
-    files = subprocess.run(["git", "-C", str(REPO.root), "ls-files", "-z"],
-                           capture_output=True, text=True, check=True).stdout
+    files = subprocess.run(
+        ["git", "-C", str(REPO.root), "ls-files", "-z"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for rel in filter(None, files.split("\0")):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO.root / rel, root / rel)
@@ -150,9 +174,12 @@ def _dist_state(layout: Layout) -> dict[str, bytes]:
 
 def test_interrupted_build_leaves_dist(checkout_copy: Layout) -> None:
     before = _dist_state(checkout_copy)
-    proc = subprocess.Popen([str(checkout_copy.root / "build.sh")],
-                            stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(checkout_copy.root / "build.sh")],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stderr is not None
     for line in proc.stderr:
         if line.startswith("==> build the wheel"):
@@ -168,8 +195,9 @@ def test_failed_step_names_the_patch_and_leaves_dist(checkout_copy: Layout) -> N
     patch = checkout_copy.patches / name
     patch.write_text(patch.read_text().replace("\n@@ -", "\n@@ -1", 1))
     before = _dist_state(checkout_copy)
-    result = subprocess.run([str(checkout_copy.root / "build.sh")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [str(checkout_copy.root / "build.sh")], capture_output=True, text=True
+    )
     assert result.returncode != 0
     assert f"error: {patch}" in result.stderr
     assert "next: refresh it" in result.stderr
@@ -182,10 +210,13 @@ def test_rebuild_over_stale_build_dir(checkout_copy: Layout) -> None:
     stale.parent.mkdir(parents=True)
     stale.write_text("x")
     (checkout_copy.build / "tree.partial").mkdir()
-    result = subprocess.run([str(checkout_copy.root / "build.sh")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [str(checkout_copy.root / "build.sh")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "removing stale" in result.stderr
     assert not stale.exists()
     assert sorted(_dist_state(checkout_copy)) == [
-        _built_wheel().name, f"{_built_wheel().name}.sha256"]
+        _built_wheel().name,
+        f"{_built_wheel().name}.sha256",
+    ]

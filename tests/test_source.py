@@ -89,3 +89,21 @@ def test_stale_directory_is_removed(tmp_path: Path) -> None:
     (stale / "deep" / "leftover").write_text("from an interrupted run")
     source.fresh_dir(stale)
     assert not stale.exists()
+
+
+def test_from_source_without_cuda_toolkit(tmp_path: Path, monkeypatch) -> None:
+    from conftest import REPO
+    from vllm_overlay import build
+
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    with pytest.raises(OverlayError, match="needs a CUDA toolkit") as e:
+        build.build_wheel(
+            tmp_path,
+            Path("python3"),
+            load_pin(REPO.pin),
+            "from-source",
+            tmp_path / "w.whl",
+            tmp_path / "out",
+            tmp_path / "logs",
+        )
+    assert "CUDA_HOME" in e.value.next_step

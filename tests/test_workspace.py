@@ -6,7 +6,6 @@ import subprocess
 from pathlib import Path
 
 from conftest import LINES, make_patch, write_series
-
 from vllm_overlay import apply, series, source, workspace
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import load_pin

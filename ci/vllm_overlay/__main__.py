@@ -16,6 +16,7 @@ from vllm_overlay import (
     dist,
     fetch,
     overlay,
+    rebase,
     series,
     source,
     testenv,
@@ -148,6 +149,20 @@ def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
     return f"exported {len(names)} patches to {layout.patches}"
 
 
+def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    rebase.dry_run(
+        pin,
+        series.load_series(layout.patches),
+        args.versions,
+        layout.downloads,
+        layout.build / "rebase",
+        args.json,
+        args.write,
+    )
+    return f"report: {args.json}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ci/overlay", description=__doc__)
     parser.add_argument("--root", type=Path, help="checkout to work on")
@@ -185,6 +200,14 @@ def _parser() -> argparse.ArgumentParser:
     ).add_argument("--upto", metavar="PATCH", help="stop after this patch")
     add("new", cmd_new, "commit workspace changes as a new patch").add_argument("name")
     add("export", cmd_export, "write build/workspace's commits to patches/")
+    p = add("rebase-check", cmd_rebase_check, "dry-run the series on other releases")
+    p.add_argument("versions", nargs="+", metavar="VERSION")
+    p.add_argument("--json", type=Path, default=Path("build/rebase/report.json"))
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help="refresh the patches that apply, with a pin, per version",
+    )
     add(
         "test-env", cmd_test_env, "CPU test venv with a built wheel installed"
     ).add_argument("wheel", type=Path)

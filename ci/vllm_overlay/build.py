@@ -57,6 +57,14 @@ def build_wheel(
             VLLM_PRECOMPILED_WHEEL_LOCATION=str(official_wheel),
         )
     else:
+        cuda_home = env.get("CUDA_HOME")
+        if not cuda_home or not (Path(cuda_home) / "bin" / "nvcc").is_file():
+            raise OverlayError(
+                f"--from-source needs a CUDA toolkit: CUDA_HOME={cuda_home!r} "
+                "has no bin/nvcc",
+                "set CUDA_HOME to the toolkit (e.g. /usr/local/cuda), or build "
+                "without --from-source",
+            )
         env.pop("VLLM_USE_PRECOMPILED", None)
         env.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     run_logged(

@@ -38,7 +38,8 @@ def default_index_url() -> str:
     return PyPI.simple_url.rstrip("/")
 
 
-def _find_file_url(index_url: str, project: str, filename: str) -> str:
+def list_files(index_url: str, project: str) -> list[dict]:
+    """The index's file entries for ``project`` (filename, url, hashes)."""
     request = urllib.request.Request(
         f"{index_url}/{project}/", headers={"Accept": _SIMPLE_JSON}
     )
@@ -51,7 +52,11 @@ def _find_file_url(index_url: str, project: str, filename: str) -> str:
             "check network access to the package index, or place the file in "
             "the download cache by hand (it is verified against pin.toml)",
         ) from None
-    for entry in listing.get("files", []):
+    return list(listing.get("files", []))
+
+
+def _find_file_url(index_url: str, project: str, filename: str) -> str:
+    for entry in list_files(index_url, project):
         if entry.get("filename") == filename:
             return str(entry["url"])
     raise OverlayError(

@@ -59,7 +59,8 @@ def check_checkout(checkout: Path, pin: Pin) -> str:
     return head
 
 
-def _extract_sdist(sdist: Path, dest: Path) -> None:
+def extract_sdist(sdist: Path, dest: Path) -> None:
+    """Unpack a vLLM sdist's single top directory as ``dest``."""
     with tarfile.open(sdist) as archive:
         members = archive.getmembers()
         top = {m.name.split("/", 1)[0] for m in members}
@@ -69,6 +70,7 @@ def _extract_sdist(sdist: Path, dest: Path) -> None:
                 "check pin.toml: this is not a vLLM sdist",
             )
         prefix = top.pop() + "/"
+        dest.mkdir(parents=True)
         for member in members:
             if not member.name.startswith(prefix):
                 continue
@@ -94,8 +96,7 @@ def lay_scratch_tree(
         return UpstreamSource("submodule", f"upstream/ checkout at {head}")
 
     sdist = fetch(pin.sdist, cache_dir)
-    dest.mkdir(parents=True)
-    _extract_sdist(sdist, dest)
+    extract_sdist(sdist, dest)
     return UpstreamSource(
         "sdist", f"{pin.sdist.filename} (sha256 {pin.sdist.sha256[:12]}...)"
     )
