@@ -23,6 +23,8 @@ step "apply patches/series"
 tree=$(overlay apply-series "$tree")
 step "copy overlay/"
 tree=$(overlay copy-overlay "$tree")
+step "write the provenance manifest"
+tree=$(overlay stamp "$tree" --mode "$mode")
 step "bootstrap the build environment"
 python=$(overlay build-env)
 step "build the wheel ($mode)"
@@ -31,3 +33,4 @@ step "check the wheel against the official one"
 overlay check-wheel "$wheel" --tree "$tree" --official "$official" >/dev/null
 step "publish to dist/"
 overlay publish "$wheel"
+overlay manifest "$tree" >&2

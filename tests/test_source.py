@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_overlay import source
+from conftest import REPO
+from vllm_overlay import build, source
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import Pin, load_pin
@@ -92,9 +93,6 @@ def test_stale_directory_is_removed(tmp_path: Path) -> None:
 
 
 def test_from_source_without_cuda_toolkit(tmp_path: Path, monkeypatch) -> None:
-    from conftest import REPO
-    from vllm_overlay import build
-
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     with pytest.raises(OverlayError, match="needs a CUDA toolkit") as e:
         build.build_wheel(
@@ -105,5 +103,6 @@ def test_from_source_without_cuda_toolkit(tmp_path: Path, monkeypatch) -> None:
             tmp_path / "w.whl",
             tmp_path / "out",
             tmp_path / "logs",
+            0,
         )
     assert "CUDA_HOME" in e.value.next_step

@@ -7,6 +7,7 @@ stderr, so build.sh can pass each result to the next step.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from vllm_overlay import (
     build,
     dist,
     fetch,
+    manifest,
     overlay,
     rebase,
     series,
@@ -29,9 +31,15 @@ from vllm_overlay.pin import load_pin
 from vllm_overlay.proc import run_logged
 
 
-def _touched(layout: Layout) -> set[str]:
+def _patched(layout: Layout) -> set[str]:
+    """Upstream-relative files the series changes or the overlay adds."""
     touched = {t for p in series.load_series(layout.patches) for t in p.targets}
     return touched | set(overlay.overlay_files(layout.overlay))
+
+
+def _touched(layout: Layout) -> set[str]:
+    """Files of the built tree that differ from upstream's."""
+    return _patched(layout) | {manifest.MODULE}
 
 
 def cmd_fetch_wheel(layout: Layout, args: argparse.Namespace) -> str:
@@ -64,6 +72,21 @@ def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
     return str(args.tree)
 
 
+def cmd_stamp(layout: Layout, args: argparse.Namespace) -> str:
+    data = manifest.build_manifest(
+        load_pin(layout.pin),
+        series.load_series(layout.patches),
+        overlay.overlay_files(layout.overlay),
+        args.mode,
+    )
+    manifest.write_manifest(args.tree, data)
+    return str(args.tree)
+
+
+def cmd_manifest(layout: Layout, args: argparse.Namespace) -> str:
+    return json.dumps(manifest.read_manifest(args.tree), indent=2, sort_keys=True)
+
+
 def cmd_build_env(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
     return str(
@@ -73,6 +96,9 @@ def cmd_build_env(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
+    epoch = series.source_date_epoch(
+        series.load_series(layout.patches), pin.source_date
+    )
     return str(
         build.build_wheel(
             args.tree,
@@ -82,6 +108,7 @@ def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
             args.official,
             layout.wheel_dir,
             layout.logs,
+            epoch,
         )
     )
 
@@ -119,7 +146,7 @@ def cmd_test_env(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
     """ruff, with upstream's own configuration, on the files we change."""
-    files = sorted(f for f in _touched(layout) if f.endswith(".py"))
+    files = sorted(f for f in _patched(layout) if f.endswith(".py"))
     for ruff_args in (["check"], ["format", "--check"]):
         run_logged(
             [str(args.python), "-m", "ruff", *ruff_args, *files],
@@ -181,6 +208,12 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "copy-overlay", cmd_copy_overlay, "add overlay/ files to the tree"
     ).add_argument("tree", type=Path)
+    p = add("stamp", cmd_stamp, "write the provenance manifest into the tree")
+    p.add_argument("tree", type=Path)
+    p.add_argument("--mode", choices=build.MODES, default="python-only")
+    add("manifest", cmd_manifest, "print the manifest a tree carries").add_argument(
+        "tree", type=Path
+    )
     add("build-env", cmd_build_env, "bootstrap the build venv from the pin")
     p = add("build-wheel", cmd_build_wheel, "build the wheel of a tree")
     p.add_argument("tree", type=Path)

@@ -43,14 +43,23 @@ def build_wheel(
     official_wheel: Path,
     out_dir: Path,
     log_dir: Path,
+    source_date_epoch: int,
 ) -> Path:
-    """Build one wheel of ``tree`` into ``out_dir`` (emptied first)."""
+    """Build one wheel of ``tree`` into ``out_dir`` (emptied first).
+
+    ``source_date_epoch`` fixes every timestamp in the wheel, so two builds
+    from the same inputs give the same bytes.
+    """
     if mode not in MODES:
         raise OverlayError(f"unknown build mode {mode!r}", f"use one of {MODES}")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    env = dict(os.environ, VLLM_VERSION_OVERRIDE=pin.overlay_version)
+    env = dict(
+        os.environ,
+        VLLM_VERSION_OVERRIDE=pin.overlay_version,
+        SOURCE_DATE_EPOCH=str(source_date_epoch),
+    )
     if mode == "python-only":
         env.update(
             VLLM_USE_PRECOMPILED="1",
@@ -88,16 +97,19 @@ def build_wheel(
             f"expected one wheel in {out_dir}, found {[w.name for w in wheels]}",
             f"read {log_dir / f'wheel-{mode}.log'}",
         )
-    return _retag(wheels[0], python, pin, log_dir)
+    return _retag(wheels[0], python, pin, log_dir, source_date_epoch)
 
 
-def _retag(wheel: Path, python: Path, pin: Pin, log_dir: Path) -> Path:
+def _retag(
+    wheel: Path, python: Path, pin: Pin, log_dir: Path, source_date_epoch: int
+) -> Path:
     """Give the wheel the official wheel's tag.
 
     setup.py tags a python-only build for the building interpreter, but its
     compiled members are the official abi3 ones, so the official tag is true.
     """
     python_tag, abi_tag, platform_tag = pin.wheel_tag.split("-")
+    env = dict(os.environ, SOURCE_DATE_EPOCH=str(source_date_epoch))
     run_logged(
         [
             str(python),
@@ -114,6 +126,7 @@ def _retag(wheel: Path, python: Path, pin: Pin, log_dir: Path) -> Path:
             str(wheel),
         ],
         log_dir / "retag.log",
+        env=env,
     )
     expected = wheel.parent / f"vllm-{pin.overlay_version}-{pin.wheel_tag}.whl"
     if not expected.exists():

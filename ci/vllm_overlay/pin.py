@@ -11,6 +11,7 @@ from vllm_overlay.errors import OverlayError
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _LOCAL_LABEL = re.compile(r"^[a-z0-9]+(\.[a-z0-9]+)*$")
 
 
@@ -34,6 +35,7 @@ class Pin:
     wheel_torch: str
     build_torch: str
     local_label: str
+    source_date: str
 
     @property
     def overlay_version(self) -> str:
@@ -129,6 +131,9 @@ def load_pin(path: Path) -> Pin:
         wheel_tag=wheel_tag,
         wheel_torch=_get(data, "upstream.wheel.torch", path),
         build_torch=_get(data, "build.torch", path),
+        source_date=_checked(
+            _get(data, "overlay.source_date", path), _DATE, "overlay.source_date", path
+        ),
         local_label=_checked(
             _get(data, "overlay.local_label", path),
             _LOCAL_LABEL,

@@ -6,6 +6,7 @@ starts a comment. Only ``-p1`` patches are supported, so no per-line options.
 
 from __future__ import annotations
 
+import datetime
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,3 +142,11 @@ def header_problems(patch: Patch) -> list[str]:
     if last_update and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", last_update):
         problems.append(f"Last-Update {last_update!r} is not YYYY-MM-DD")
     return problems
+
+
+def source_date_epoch(patches: list[Patch], pin_date: str) -> int:
+    """The build's fixed timestamp: the newest Last-Update of the series, or
+    ``pin_date`` (YYYY-MM-DD) when that is newer, at midnight UTC."""
+    dates = [pin_date, *(p.header.get("Last-Update", "") for p in patches)]
+    newest = max(d for d in dates if re.fullmatch(r"\d{4}-\d{2}-\d{2}", d))
+    return int(datetime.datetime.fromisoformat(f"{newest}T00:00:00+00:00").timestamp())
