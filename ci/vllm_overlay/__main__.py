@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -85,6 +86,20 @@ def cmd_stamp(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_manifest(layout: Layout, args: argparse.Namespace) -> str:
     return json.dumps(manifest.read_manifest(args.tree), indent=2, sort_keys=True)
+
+
+def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
+    wheels = sorted(layout.dist.glob("*.whl"))
+    if len(wheels) != 1:
+        raise OverlayError(
+            f"{layout.dist} holds {len(wheels)} wheels, not one", "run ./build.sh first"
+        )
+    data = manifest.read_manifest(layout.tree)
+    if data["version"] not in wheels[0].name:
+        raise OverlayError(
+            f"build/tree is not the tree of {wheels[0].name}", "run ./build.sh again"
+        )
+    return shlex.join(manifest.image_args(data, wheels[0].name))
 
 
 def cmd_build_env(layout: Layout, args: argparse.Namespace) -> str:
@@ -214,6 +229,7 @@ def _parser() -> argparse.ArgumentParser:
     add("manifest", cmd_manifest, "print the manifest a tree carries").add_argument(
         "tree", type=Path
     )
+    add("image-args", cmd_image_args, "docker build arguments for Containerfile")
     add("build-env", cmd_build_env, "bootstrap the build venv from the pin")
     p = add("build-wheel", cmd_build_wheel, "build the wheel of a tree")
     p.add_argument("tree", type=Path)

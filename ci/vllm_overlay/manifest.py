@@ -77,7 +77,7 @@ def labels(manifest: dict) -> dict[str, str]:
     return {
         "org.opencontainers.image.version": manifest["version"],
         "org.opencontainers.image.source": upstream["repository"],
-        "org.opencontainers.image.base.name": f"vllm/vllm-openai:{upstream['tag']}",
+        "org.opencontainers.image.base.name": base_image(manifest),
         "io.vllm-overlay.upstream.tag": upstream["tag"],
         "io.vllm-overlay.upstream.commit": upstream["commit"],
         "io.vllm-overlay.upstream.sdist.sha256": upstream["sdist"]["sha256"],
@@ -88,3 +88,20 @@ def labels(manifest: dict) -> dict[str, str]:
         "io.vllm-overlay.overlay-files": ",".join(manifest["overlay_files"]),
         "io.vllm-overlay.build-mode": manifest["build_mode"],
     }
+
+
+def image_args(manifest: dict, wheel_name: str) -> list[str]:
+    """``docker build`` arguments for Containerfile: base, wheel, labels."""
+    args = [
+        "--build-arg",
+        f"BASE_IMAGE={base_image(manifest)}",
+        "--build-arg",
+        f"WHEEL={wheel_name}",
+    ]
+    for key, value in sorted(labels(manifest).items()):
+        args += ["--label", f"{key}={value}"]
+    return args
+
+
+def base_image(manifest: dict) -> str:
+    return f"vllm/vllm-openai:{manifest['upstream']['tag']}"

@@ -30,6 +30,10 @@ GPU_ONLY = re.compile(
     re.IGNORECASE,
 )
 
+# How the wheel goes over an environment that has its requirements: here and
+# in Containerfile, over the official image.
+WHEEL_INSTALL = ("--no-deps", "--force-reinstall")
+
 
 def engine_requirements(wheel: Path) -> list[str]:
     """The wheel's unconditional requirements that run on a CPU."""
@@ -64,8 +68,7 @@ def test_env(
             "pip",
             "install",
             "--quiet",
-            "--no-deps",
-            "--force-reinstall",
+            *WHEEL_INSTALL,
             str(wheel),
         ],
         log_dir / "test-env-wheel.log",
