@@ -205,7 +205,7 @@ def test_failed_step_names_the_patch_and_leaves_dist(checkout_copy: Layout) -> N
     assert not checkout_copy.tree.exists()  # only build/tree.partial is left
 
 
-def test_rebuild_over_stale_build_dir(checkout_copy: Layout) -> None:
+def test_rebuild_over_stale_build_dir_is_reproducible(checkout_copy: Layout) -> None:
     stale = checkout_copy.tree / "stale-file-from-an-earlier-run"
     stale.parent.mkdir(parents=True)
     stale.write_text("x")
