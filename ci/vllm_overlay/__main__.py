@@ -162,9 +162,11 @@ def cmd_test_env(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
     """ruff, with upstream's own configuration, on the files we change."""
     files = sorted(f for f in _patched(layout) if f.endswith(".py"))
+    if not files:
+        return "no patched upstream Python files"
     for ruff_args in (["check"], ["format", "--check"]):
         run_logged(
-            [str(args.python), "-m", "ruff", *ruff_args, *files],
+            [str(args.python.absolute()), "-m", "ruff", *ruff_args, *files],
             layout.logs / "ruff-upstream.log",
             cwd=args.tree,
         )
