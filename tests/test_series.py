@@ -97,3 +97,24 @@ def test_good_header_has_no_problems(checkout: Layout) -> None:
     write_series(checkout, {"0001-a.patch": GOOD})
     (patch,) = series.load_series(checkout.patches)
     assert series.header_problems(patch) == []
+
+
+def test_lint_accepts_a_good_diff(checkout: Layout) -> None:
+    write_series(checkout, {"0001-a.patch": GOOD})
+    (patch,) = series.load_series(checkout.patches)
+    assert series.diff_problems(patch) == []
+
+
+def test_lint_finds_added_trailing_whitespace(checkout: Layout) -> None:
+    text = make_patch(LINES, LINES.replace("line 5\n", "line five  \n"))
+    write_series(checkout, {"0001-a.patch": text})
+    (patch,) = series.load_series(checkout.patches)
+    assert series.diff_problems(patch) == ["line 13: added line ends in whitespace"]
+
+
+def test_lint_finds_a_hunk_that_does_not_parse(checkout: Layout) -> None:
+    write_series(
+        checkout, {"0001-a.patch": GOOD.replace("@@ -2,7 +2,7 @@", "@@ -2,9 +2,7 @@")}
+    )
+    (patch,) = series.load_series(checkout.patches)
+    assert series.diff_problems(patch)

@@ -144,10 +144,14 @@ def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
     problems = [
         f"{patch.path}: {problem}"
         for patch in series.load_series(layout.patches)
-        for problem in series.header_problems(patch)
+        for problem in series.header_problems(patch) + series.diff_problems(patch)
     ]
     if problems:
-        raise OverlayError("\n".join(problems), "fill in the DEP-3 headers")
+        raise OverlayError(
+            "\n".join(problems),
+            "fill in the DEP-3 headers; fix diffs in build/workspace and "
+            "`ci/overlay export` (README, 'Work on the series')",
+        )
     return "series ok"
 
 

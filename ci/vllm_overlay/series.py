@@ -144,6 +144,39 @@ def header_problems(patch: Patch) -> list[str]:
     return problems
 
 
+_HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+
+
+def diff_problems(patch: Patch) -> list[str]:
+    """Hunks whose line counts do not add up, and added trailing whitespace."""
+    problems: list[str] = []
+    old_left = new_left = 0
+    lines = patch.path.read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
+        if old_left or new_left:
+            tag = line[:1]
+            if tag in (" ", ""):
+                old_left, new_left = old_left - 1, new_left - 1
+            elif tag == "-":
+                old_left -= 1
+            elif tag == "+":
+                new_left -= 1
+                if line != line.rstrip():
+                    problems.append(f"line {number}: added line ends in whitespace")
+            elif tag != "\\":
+                problems.append(f"line {number}: hunk ends early")
+                old_left = new_left = 0
+            if old_left < 0 or new_left < 0:
+                problems.append(f"line {number}: hunk is longer than its header says")
+                old_left = new_left = 0
+        elif m := _HUNK.match(line):
+            old_left = int(m.group(1) or 1)
+            new_left = int(m.group(2) or 1)
+    if old_left or new_left:
+        problems.append("last hunk ends early")
+    return problems
+
+
 def source_date_epoch(patches: list[Patch], pin_date: str) -> int:
     """The build's fixed timestamp: the newest Last-Update of the series, or
     ``pin_date`` (YYYY-MM-DD) when that is newer, at midnight UTC."""

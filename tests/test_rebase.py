@@ -1,0 +1,99 @@
+"""Rebase dry-run classes on synthetic upstream releases."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from conftest import LINES, make_patch, write_series
+from vllm_overlay import apply, rebase, series
+from vllm_overlay.paths import Layout
+
+PATCHES = {
+    # one patch per class, each against its own file of the 0.33.0 tree
+    "0001-clean.patch": ("clean.py", LINES, LINES.replace("line 5\n", "five\n")),
+    "0002-offset.patch": ("offset.py", LINES, LINES.replace("line 15\n", "15\n")),
+    "0003-fuzz.patch": ("fuzz.py", LINES, LINES.replace("line 15\n", "15\n")),
+    "0004-conflict.patch": ("conflict.py", LINES, LINES.replace("line 9\n", "9\n")),
+    "0005-upstream.patch": ("upstream.py", LINES, LINES.replace("line 3\n", "3\n")),
+    "0006-gone.patch": ("gone.py", LINES, LINES.replace("line 3\n", "3\n")),
+}
+# How the "next release" changed each file.
+NEXT_RELEASE = {
+    "clean.py": LINES,
+    "offset.py": "added\nlines\n" + LINES,
+    "fuzz.py": LINES.replace("line 13\n", "line thirteen\n"),
+    "conflict.py": LINES.replace("line 9\n", "line nine\n"),
+    "upstream.py": LINES.replace("line 3\n", "3\n"),
+}
+EXPECTED = {
+    "0001-clean.patch": apply.Fit.CLEAN,
+    "0002-offset.patch": apply.Fit.OFFSET,
+    "0003-fuzz.patch": apply.Fit.FUZZ,
+    "0004-conflict.patch": apply.Fit.CONFLICT,
+    "0005-upstream.patch": apply.Fit.ALREADY_UPSTREAM,
+    "0006-gone.patch": apply.Fit.TARGET_GONE,
+}
+
+
+def _release(root: Path) -> Path:
+    (root / "pkg").mkdir(parents=True)
+    for name, text in NEXT_RELEASE.items():
+        (root / "pkg" / name).write_text(text)
+    return root
+
+
+def _patches(layout: Layout) -> list[series.Patch]:
+    write_series(
+        layout,
+        {
+            name: make_patch(old, new, path=f"pkg/{path}")
+            for name, (path, old, new) in PATCHES.items()
+        },
+    )
+    return series.load_series(layout.patches)
+
+
+def test_every_class_is_found(checkout: Layout, tmp_path: Path) -> None:
+    pristine = _release(tmp_path / "next")
+    before = {p.name: p.read_text() for p in (pristine / "pkg").iterdir()}
+    fits = rebase.fit_series(pristine, _patches(checkout), tmp_path / "scratch")
+    assert {n: f.alone.fit for n, f in fits.items()} == EXPECTED
+    assert {n: f.in_sequence.fit for n, f in fits.items()} == EXPECTED
+    assert "FAILED" in fits["0004-conflict.patch"].alone.detail
+    assert fits["0006-gone.patch"].alone.detail == "pkg/gone.py"
+    assert {p.name: p.read_text() for p in (pristine / "pkg").iterdir()} == before
+
+
+def test_sequence_differs_from_alone(checkout: Layout, tmp_path: Path) -> None:
+    """A patch that builds on an earlier one fits only in sequence."""
+    first = make_patch(LINES, LINES.replace("line 5\n", "five\n"), path="pkg/clean.py")
+    second = make_patch(
+        LINES.replace("line 5\n", "five\n"),
+        LINES.replace("line 5\n", "FIVE\n"),
+        path="pkg/clean.py",
+    )
+    write_series(checkout, {"0001-a.patch": first, "0002-b.patch": second})
+    fits = rebase.fit_series(
+        _release(tmp_path / "next"),
+        series.load_series(checkout.patches),
+        tmp_path / "scratch",
+    )
+    assert fits["0002-b.patch"].alone.fit is apply.Fit.CONFLICT
+    assert fits["0002-b.patch"].in_sequence.fit is apply.Fit.CLEAN
+
+
+def test_matrix_and_report(checkout: Layout, tmp_path: Path) -> None:
+    patches = _patches(checkout)
+    fits = rebase.fit_series(_release(tmp_path / "next"), patches, tmp_path / "scratch")
+    table = rebase.matrix({"9.9.9": fits}, [p.name for p in patches])
+    assert table.splitlines()[0].split() == ["patch", "9.9.9"]
+    assert re.search(r"^0003-fuzz.patch +needs fuzz$", table, re.M)
+    sdist = rebase.PinnedFile("vllm-9.9.9.tar.gz", "0" * 64)
+    release = rebase.Release("9.9.9", sdist, None)
+    data = json.loads(json.dumps(rebase.report({"9.9.9": release}, {"9.9.9": fits})))
+    assert data["9.9.9"]["sdist"]["filename"] == sdist.filename
+    assert data["9.9.9"]["patches"]["0004-conflict.patch"]["alone"]["fit"] == "conflict"
+    shutil.rmtree(tmp_path / "scratch", ignore_errors=True)
