@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Build the patched vLLM wheel into dist/: the pinned release (pin.toml),
 # patches/series applied with zero fuzz, overlay/ added, one wheel checked
-# against the official one. Usage: ./build.sh [--from-source]
+# against the official one.
+#   ./build.sh                 assemble: official wheel + patched files (default)
+#   ./build.sh --python-only   vLLM's own python-only build (CUDA torch venv)
+#   ./build.sh --from-source   vLLM's own build, compiling the CUDA kernels
 set -euo pipefail
 cd "$(dirname "$0")"
 
-mode=python-only
 case "${1:-}" in
-  "") ;;
+  "") mode=assemble ;;
+  --python-only) mode=python-only ;;
   --from-source) mode=from-source ;;
-  *) echo "usage: ./build.sh [--from-source]" >&2; exit 2 ;;
+  *) echo "usage: ./build.sh [--python-only | --from-source]" >&2; exit 2 ;;
 esac
 
 step() { printf '==> %s\n' "$*" >&2; }
@@ -25,10 +28,8 @@ step "copy overlay/"
 tree=$(overlay copy-overlay "$tree")
 step "write the provenance manifest"
 tree=$(overlay stamp "$tree" --mode "$mode")
-step "bootstrap the build environment"
-python=$(overlay build-env)
 step "build the wheel ($mode)"
-wheel=$(overlay build-wheel "$tree" --mode "$mode" --python "$python" --official "$official")
+wheel=$(overlay build-wheel "$tree" --mode "$mode" --official "$official")
 step "check the wheel against the official one"
 overlay check-wheel "$wheel" --tree "$tree" --official "$official" >/dev/null
 step "publish to dist/"

@@ -5,6 +5,7 @@ builds interrupted and rerun. ci/test.sh builds dist/ before these run."""
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import shutil
 import signal
@@ -205,18 +206,42 @@ def test_failed_step_names_the_patch_and_leaves_dist(checkout_copy: Layout) -> N
     assert not checkout_copy.tree.exists()  # only build/tree.partial is left
 
 
+def _build(layout: Layout, *args: str) -> Path:
+    result = subprocess.run(
+        [str(layout.root / "build.sh"), *args], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    (wheel,) = layout.dist.glob("*.whl")
+    return wheel
+
+
 def test_rebuild_over_stale_build_dir_is_reproducible(checkout_copy: Layout) -> None:
     stale = checkout_copy.tree / "stale-file-from-an-earlier-run"
     stale.parent.mkdir(parents=True)
     stale.write_text("x")
     (checkout_copy.build / "tree.partial").mkdir()
-    result = subprocess.run(
-        [str(checkout_copy.root / "build.sh")], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    assert "removing stale" in result.stderr
+    _build(checkout_copy)
     assert not stale.exists()
-    assert sorted(_dist_state(checkout_copy)) == [
-        _built_wheel().name,
-        f"{_built_wheel().name}.sha256",
-    ]
+    # Same inputs, another directory, another time: the same bytes.
+    assert _dist_state(checkout_copy) == _dist_state(REPO)
+
+
+def test_python_only_route_gives_the_same_contents(checkout_copy: Layout) -> None:
+    """The default (assemble) route may stay the default only while vLLM's
+    own python-only build of the same tree gives the same member contents."""
+    wheel = _build(checkout_copy, "--python-only")
+    assert wheel.name == _built_wheel().name
+    assert wheelcheck.content_differences(wheel, _built_wheel()) == []
+    manifest = json.loads(
+        subprocess.run(
+            [
+                str(checkout_copy.root / "ci" / "overlay"),
+                "manifest",
+                str(checkout_copy.tree),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    assert manifest["build_mode"] == "python-only"

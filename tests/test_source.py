@@ -97,12 +97,15 @@ def test_from_source_without_cuda_toolkit(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(OverlayError, match="needs a CUDA toolkit") as e:
         build.build_wheel(
             tmp_path,
-            Path("python3"),
             load_pin(REPO.pin),
             "from-source",
-            tmp_path / "w.whl",
-            tmp_path / "out",
-            tmp_path / "logs",
-            0,
+            official_wheel=tmp_path / "w.whl",
+            touched=set(),
+            build_requirements=REPO.build_requirements,
+            cache_dir=tmp_path / "cache",
+            out_dir=tmp_path / "out",
+            log_dir=tmp_path / "logs",
+            source_date_epoch=0,
         )
     assert "CUDA_HOME" in e.value.next_step
+    assert not (tmp_path / "cache").exists()

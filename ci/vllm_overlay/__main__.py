@@ -102,30 +102,22 @@ def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
     return shlex.join(manifest.image_args(data, wheels[0].name))
 
 
-def cmd_build_env(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
-    return str(
-        build.build_env(pin, layout.build_requirements, layout.cache, layout.logs)
-    )
-
-
 def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
-    epoch = series.source_date_epoch(
-        series.load_series(layout.patches), pin.source_date
+    patches = series.load_series(layout.patches)
+    wheel = build.build_wheel(
+        args.tree,
+        pin,
+        args.mode,
+        official_wheel=args.official,
+        touched=_touched(layout),
+        build_requirements=layout.build_requirements,
+        cache_dir=layout.cache,
+        out_dir=layout.wheel_dir,
+        log_dir=layout.logs,
+        source_date_epoch=series.source_date_epoch(patches, pin.source_date),
     )
-    return str(
-        build.build_wheel(
-            args.tree,
-            args.python,
-            pin,
-            args.mode,
-            args.official,
-            layout.wheel_dir,
-            layout.logs,
-            epoch,
-        )
-    )
+    return str(wheel)
 
 
 def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
@@ -231,16 +223,14 @@ def _parser() -> argparse.ArgumentParser:
     ).add_argument("tree", type=Path)
     p = add("stamp", cmd_stamp, "write the provenance manifest into the tree")
     p.add_argument("tree", type=Path)
-    p.add_argument("--mode", choices=build.MODES, default="python-only")
+    p.add_argument("--mode", choices=build.MODES, default="assemble")
     add("manifest", cmd_manifest, "print the manifest a tree carries").add_argument(
         "tree", type=Path
     )
     add("image-args", cmd_image_args, "docker build arguments for Containerfile")
-    add("build-env", cmd_build_env, "bootstrap the build venv from the pin")
     p = add("build-wheel", cmd_build_wheel, "build the wheel of a tree")
     p.add_argument("tree", type=Path)
-    p.add_argument("--mode", choices=build.MODES, default="python-only")
-    p.add_argument("--python", type=Path, required=True)
+    p.add_argument("--mode", choices=build.MODES, default="assemble")
     p.add_argument("--official", type=Path, required=True)
     p = add("check-wheel", cmd_check_wheel, "compare a wheel with the official")
     p.add_argument("wheel", type=Path)

@@ -1,13 +1,17 @@
-"""Turn the patched tree into a wheel with vLLM's own setup.py.
+"""Turn the patched tree into a wheel.
 
-Two modes, both ``pip wheel`` of the tree without build isolation:
-- python-only (default): ``VLLM_USE_PRECOMPILED=1`` takes the compiled
+Three modes:
+- assemble (default): the official wheel with the touched files swapped in,
+  no torch and no setup.py (assemble.py); proven by a test to give the same
+  member contents as python-only.
+- python-only: vLLM's own setup.py, ``pip wheel`` of the tree without build
+  isolation, with ``VLLM_USE_PRECOMPILED=1``, which takes the compiled
   members from the verified official wheel, so the result is the official
   CUDA wheel with the patched Python.
-- from-source: compiles csrc/ with cmake, ninja and nvcc; the only route once
-  a patch touches csrc/.
-The build environment is a venv under the cache, rebuilt when its
-requirements change.
+- from-source: the same ``pip wheel``, compiling csrc/ with cmake, ninja and
+  nvcc; the only route once a patch touches csrc/.
+The last two need a build venv under the cache (a CUDA torch), rebuilt when
+its requirements change.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import os
 import shutil
 from pathlib import Path
 
+from vllm_overlay.assemble import assemble_wheel
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.pin import Pin
 from vllm_overlay.proc import run_logged
 from vllm_overlay.venv import ensure_venv
 
-MODES = ("python-only", "from-source")
+MODES = ("assemble", "python-only", "from-source")
 
 
 def build_env(pin: Pin, requirements: Path, cache_dir: Path, log_dir: Path) -> Path:
@@ -37,16 +42,20 @@ def build_env(pin: Pin, requirements: Path, cache_dir: Path, log_dir: Path) -> P
 
 def build_wheel(
     tree: Path,
-    python: Path,
     pin: Pin,
     mode: str,
+    *,
     official_wheel: Path,
+    touched: set[str],
+    build_requirements: Path,
+    cache_dir: Path,
     out_dir: Path,
     log_dir: Path,
     source_date_epoch: int,
 ) -> Path:
     """Build one wheel of ``tree`` into ``out_dir`` (emptied first).
 
+    ``touched``: the upstream-relative files that differ from upstream's.
     ``source_date_epoch`` fixes every timestamp in the wheel, so two builds
     from the same inputs give the same bytes.
     """
@@ -55,6 +64,13 @@ def build_wheel(
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
+    if mode == "assemble":
+        return assemble_wheel(
+            official_wheel, tree, touched, pin, out_dir, source_date_epoch
+        )
+    if mode == "from-source":
+        _check_cuda_toolkit()
+    python = build_env(pin, build_requirements, cache_dir, log_dir)
     env = dict(
         os.environ,
         VLLM_VERSION_OVERRIDE=pin.overlay_version,
@@ -66,14 +82,6 @@ def build_wheel(
             VLLM_PRECOMPILED_WHEEL_LOCATION=str(official_wheel),
         )
     else:
-        cuda_home = env.get("CUDA_HOME")
-        if not cuda_home or not (Path(cuda_home) / "bin" / "nvcc").is_file():
-            raise OverlayError(
-                f"--from-source needs a CUDA toolkit: CUDA_HOME={cuda_home!r} "
-                "has no bin/nvcc",
-                "set CUDA_HOME to the toolkit (e.g. /usr/local/cuda), or build "
-                "without --from-source",
-            )
         env.pop("VLLM_USE_PRECOMPILED", None)
         env.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     run_logged(
@@ -98,6 +106,17 @@ def build_wheel(
             f"read {log_dir / f'wheel-{mode}.log'}",
         )
     return _retag(wheels[0], python, pin, log_dir, source_date_epoch)
+
+
+def _check_cuda_toolkit() -> None:
+    cuda_home = os.environ.get("CUDA_HOME")
+    if not cuda_home or not (Path(cuda_home) / "bin" / "nvcc").is_file():
+        raise OverlayError(
+            f"--from-source needs a CUDA toolkit: CUDA_HOME={cuda_home!r} "
+            "has no bin/nvcc",
+            "set CUDA_HOME to the toolkit (e.g. /usr/local/cuda), or build "
+            "without --from-source",
+        )
 
 
 def _retag(

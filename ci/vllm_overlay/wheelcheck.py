@@ -8,12 +8,18 @@ Anything else is a difference the build introduced by accident.
 
 from __future__ import annotations
 
+import ast
+import csv
+import io
+import json
+import re
 import zipfile
 from dataclasses import dataclass
 from email.parser import HeaderParser
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.manifest import MODULE as MANIFEST_MODULE
 
 VERSION_FILE = "vllm/_version.py"
 
@@ -114,3 +120,33 @@ def check_wheel(
             "a build step changed what it should not: read build/logs/ and "
             "compare the trees; dist/ was left as it was",
         )
+
+
+def _comparable(name: str, data: bytes) -> object:
+    """What of a member must match between build routes: RECORD as a set of
+    rows (routes order members differently) and the manifest without its
+    build mode (the one thing that says which route ran)."""
+    if name.endswith(".dist-info/RECORD"):
+        rows = csv.reader(io.StringIO(data.decode()))
+        return sorted(tuple(row) for row in rows if row[0] != MANIFEST_MODULE)
+    if name == MANIFEST_MODULE:
+        payload = re.search(rb"json\.loads\((.*)\)\n", data)
+        assert payload is not None, "manifest module without its payload"
+        manifest = json.loads(ast.literal_eval(payload.group(1).decode()))
+        manifest.pop("build_mode")
+        return manifest
+    return data
+
+
+def content_differences(a: Path, b: Path) -> list[str]:
+    """Members whose contents differ between two builds of the same inputs."""
+    with zipfile.ZipFile(a) as za, zipfile.ZipFile(b) as zb:
+        names_a, names_b = set(za.namelist()), set(zb.namelist())
+        out = [f"only in {a.name}: {n}" for n in sorted(names_a - names_b)]
+        out += [f"only in {b.name}: {n}" for n in sorted(names_b - names_a)]
+        out += [
+            f"contents differ: {n}"
+            for n in sorted(names_a & names_b)
+            if _comparable(n, za.read(n)) != _comparable(n, zb.read(n))
+        ]
+    return out
