@@ -1,0 +1,139 @@
+"""Build-route benchmark: wall time, downloads and environment size.
+
+Each route builds this checkout's inputs in a copy of the checkout:
+``floor`` copies the official wheel file (the least any route can do),
+``assemble`` is ./build.sh, ``python-only`` is ./build.sh --python-only
+(vLLM's own python-only build). Warm runs share a filled cache; cold runs
+start from an empty one. Runs alternate between routes so machine noise
+hits all of them; each route's repeats are split in two halves to show the
+spread of running the same thing twice.
+
+    python3 ci/bench/bench_build.py --repeats 4 --cold 1 --out docs/bench-build.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_overlay.fetch import fetch  # noqa: E402
+from vllm_overlay.paths import default_layout  # noqa: E402
+from vllm_overlay.pin import load_pin  # noqa: E402
+
+REPO = default_layout()
+ROUTES = {"assemble": [], "python-only": ["--python-only"]}
+
+
+def _tree_size(path: Path) -> int:
+    return sum(
+        p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()
+    )
+
+
+def _copy_checkout(dest: Path, cache: Path | None) -> Path:
+    files = subprocess.run(
+        ["git", "-C", str(REPO.root), "ls-files", "-z"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for rel in filter(None, files.split("\0")):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO.root / rel, dest / rel)
+    if cache is not None:
+        (dest / ".cache").symlink_to(cache)
+    return dest
+
+
+def _timed_build(checkout: Path, args: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(
+        [str(checkout / "build.sh"), *args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return time.perf_counter() - start
+
+
+def _floor(official: Path, scratch: Path) -> float:
+    start = time.perf_counter()
+    shutil.copyfile(official, scratch / official.name)
+    elapsed = time.perf_counter() - start
+    (scratch / official.name).unlink()
+    return elapsed
+
+
+def _summary(times: list[float]) -> dict[str, float | list[float]]:
+    half = len(times) // 2
+    out: dict[str, float | list[float]] = {
+        "runs_s": times,
+        "median_s": statistics.median(times),
+    }
+    if half:
+        out["median_first_half_s"] = statistics.median(times[:half])
+        out["median_second_half_s"] = statistics.median(times[half:])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--cold", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    official = fetch(load_pin(REPO.pin).wheel, REPO.downloads)
+    warm: dict[str, list[float]] = {"floor": [], **{r: [] for r in ROUTES}}
+    cold: dict[str, list[float]] = {r: [] for r in ROUTES}
+    sizes: dict[str, dict[str, int]] = {}
+    REPO.build.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=REPO.build) as tmp:
+        scratch = Path(tmp)
+        checkout = _copy_checkout(scratch / "warm", REPO.cache)
+        for route, flags in ROUTES.items():  # fill the shared cache first
+            _timed_build(checkout, flags)
+        for _ in range(args.repeats):
+            warm["floor"].append(_floor(official, scratch))
+            for route, flags in ROUTES.items():
+                warm[route].append(_timed_build(checkout, flags))
+        for n in range(args.cold):
+            for route, flags in ROUTES.items():
+                cache = scratch / f"cold-cache-{route}-{n}"
+                cache.mkdir()
+                cold_checkout = _copy_checkout(scratch / f"cold-{route}-{n}", cache)
+                cold[route].append(_timed_build(cold_checkout, flags))
+                envs = [p for p in cache.iterdir() if p.name.startswith("build-env")]
+                sizes[route] = {
+                    "downloads_bytes": _tree_size(cache / "downloads"),
+                    "build_env_bytes": sum(_tree_size(e) for e in envs),
+                }
+                shutil.rmtree(cold_checkout)
+                shutil.rmtree(cache)
+    result = {
+        "machine": f"{os.cpu_count()} cores, {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "warm": {route: _summary(t) for route, t in warm.items()},
+        "cold": {route: _summary(t) for route, t in cold.items()},
+        "sizes": sizes,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
