@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO
 from vllm_overlay import apply, fetch, overlay, series, source, wheelcheck, workspace
-from vllm_overlay.paths import Layout
+from vllm_overlay.paths import Layout, copy_checkout
 from vllm_overlay.pin import load_pin
 
 pytestmark = pytest.mark.real_release
@@ -152,18 +152,7 @@ def test_wheel_check_catches(tmp_path: Path, edit, problem: str) -> None:
 def checkout_copy(tmp_path: Path) -> Layout:
     """A copy of this checkout's tracked files sharing its download and
     build-env cache, with a dist/ of its own."""
-    root = tmp_path / "checkout"
-    files = subprocess.run(
-        ["git", "-C", str(REPO.root), "ls-files", "-z"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for rel in filter(None, files.split("\0")):
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO.root / rel, root / rel)
-    root.joinpath(".cache").symlink_to(REPO.cache)
-    layout = Layout(root)
+    layout = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
     layout.dist.mkdir()
     (layout.dist / "previous.whl").write_bytes(b"the previous release")
     return layout

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_overlay.fetch import fetch  # noqa: E402
-from vllm_overlay.paths import default_layout  # noqa: E402
+from vllm_overlay.paths import copy_checkout, default_layout  # noqa: E402
 from vllm_overlay.pin import load_pin  # noqa: E402
 
 REPO = default_layout()
@@ -38,21 +38,6 @@ def _tree_size(path: Path) -> int:
     return sum(
         p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()
     )
-
-
-def _copy_checkout(dest: Path, cache: Path | None) -> Path:
-    files = subprocess.run(
-        ["git", "-C", str(REPO.root), "ls-files", "-z"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for rel in filter(None, files.split("\0")):
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO.root / rel, dest / rel)
-    if cache is not None:
-        (dest / ".cache").symlink_to(cache)
-    return dest
 
 
 def _timed_build(checkout: Path, args: list[str]) -> float:
@@ -102,7 +87,7 @@ def main() -> int:
     REPO.build.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=REPO.build) as tmp:
         scratch = Path(tmp)
-        checkout = _copy_checkout(scratch / "warm", REPO.cache)
+        checkout = copy_checkout(REPO, scratch / "warm", REPO.cache).root
         for flags in ROUTES.values():  # fill the shared cache first
             _timed_build(checkout, flags)
         for _ in range(args.repeats):
@@ -113,7 +98,9 @@ def main() -> int:
             for route, flags in ROUTES.items():
                 cache = scratch / f"cold-cache-{route}-{n}"
                 cache.mkdir()
-                cold_checkout = _copy_checkout(scratch / f"cold-{route}-{n}", cache)
+                cold_checkout = copy_checkout(
+                    REPO, scratch / f"cold-{route}-{n}", cache
+                ).root
                 cold[route].append(_timed_build(cold_checkout, flags))
                 envs = [p for p in cache.iterdir() if p.name.startswith("build-env")]
                 sizes[route] = {

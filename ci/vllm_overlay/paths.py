@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,3 +74,20 @@ class Layout:
 
 def default_layout() -> Layout:
     return Layout(Path(__file__).resolve().parents[2])
+
+
+def copy_checkout(layout: Layout, dest: Path, cache: Path | None) -> Layout:
+    """Copy the files git tracks in ``layout`` to ``dest``: a checkout of its
+    own (build/, dist/), sharing ``cache`` when one is given."""
+    files = subprocess.run(
+        ["git", "-C", str(layout.root), "ls-files", "-z"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for rel in filter(None, files.split("\0")):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(layout.root / rel, dest / rel)
+    if cache is not None:
+        (dest / ".cache").symlink_to(cache)
+    return Layout(dest)
