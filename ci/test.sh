@@ -18,6 +18,8 @@ ci/overlay lint
 ci/overlay lint-upstream build/tree --python "$python"
 step "project tests"
 "$python" -m pytest tests
-step "upstream tests on the patched tree vs the recorded baseline"
+step "upstream tests and the overlay's new tests, vs the unpatched baseline"
+mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
 PYTHONPATH=ci "$python" -m vllm_overlay.upstream_tests check \
-  --tree build/tree --python "$python" --baseline ci/upstream-baseline.json
+  --tree build/tree --python "$python" --baseline ci/upstream-baseline.json \
+  --extra "${new_tests[@]}"
