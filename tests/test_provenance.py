@@ -44,7 +44,7 @@ def test_installed_manifest_describes_this_checkout(installed: dict) -> None:
         for p in series.load_series(REPO.patches)
     ]
     assert installed["overlay_files"] == overlay.overlay_files(REPO.overlay)
-    assert installed["build_mode"] == "python-only"
+    assert installed["build_mode"] == "assemble"  # build.sh's default
 
 
 def test_installed_vllm_is_the_overlay_version() -> None:

@@ -42,7 +42,7 @@ Last-Update: <YYYY-MM-DD>
 
 def git(repo: Path, *args: str, input: str | None = None) -> str:
     result = subprocess.run(
-        ["git", "-C", str(repo), "-c", "core.autocrlf=false", *args],
+        ["git", "-C", str(repo), "-c", "core.autocrlf=false", "-c", "gc.auto=0", *args],
         capture_output=True,
         text=True,
         input=input,

@@ -1,0 +1,824 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""KV cache events when one ``(block_hash, group)`` key has several copies.
+
+A key can be held by several physical blocks of one pool, e.g. when the last
+block of an identical prompt is recomputed. ``KVEventsConfig.copy_semantics``
+decides how events account for the copies:
+
+- "logical": ``BlockStored`` on a key's first resident copy, ``BlockRemoved``
+  on its last (right for set-style and for reference-counting consumers);
+- "last_copy": a ``BlockStored`` per copy, ``BlockRemoved`` on the last copy
+  (upstream PR 55092);
+- "physical": one of each per copy (vLLM 0.33.0).
+"""
+
+from collections import Counter
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+
+from vllm.config.kv_events import KVEventsConfig
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisherFactory,
+    KVCacheEvent,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import (
+    BlockHashListWithBlockSize,
+    KVCacheBlock,
+    get_block_hash,
+    get_group_id,
+    get_request_block_hasher,
+    init_none_hash,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
+from vllm.v1.core.single_type_kv_cache_manager import HiSparseSourceManager
+from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request
+
+pytestmark = pytest.mark.cpu_test
+
+POLICIES = ("logical", "last_copy", "physical")
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(autouse=True)
+def _auto_init_hash_fn():
+    init_none_hash(sha256)
+
+
+def make_request(
+    request_id: str, prompt_token_ids: list[int], block_size: int = BLOCK_SIZE
+) -> Request:
+    sampling_params = SamplingParams(max_tokens=17)
+    sampling_params.update_from_generation_config({}, eos_token_id=100)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=sampling_params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+def make_pool(
+    policy: str, num_blocks: int = 16, hash_block_size: int = BLOCK_SIZE
+) -> BlockPool:
+    return BlockPool(
+        num_gpu_blocks=num_blocks,
+        enable_caching=True,
+        hash_block_size=hash_block_size,
+        enable_kv_cache_events=True,
+        kv_events_copy_semantics=policy,
+    )
+
+
+def tokens(num_blocks: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(num_blocks * BLOCK_SIZE)]
+
+
+def ext(block_hash) -> object:
+    return maybe_convert_block_hash(block_hash)
+
+
+def cache(
+    pool: BlockPool,
+    req: Request,
+    blocks: list[KVCacheBlock],
+    num_cached_blocks: int = 0,
+    group: int = 0,
+) -> None:
+    pool.cache_full_blocks(
+        request=req,
+        blocks=blocks,
+        num_cached_blocks=num_cached_blocks,
+        num_full_blocks=len(blocks),
+        block_size=BLOCK_SIZE,
+        kv_cache_group_id=group,
+    )
+
+
+def stored_hashes(events: Iterable[KVCacheEvent]) -> list:
+    return [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+
+
+def removed_hashes(events: Iterable[KVCacheEvent]) -> list:
+    return [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+
+
+class Mirrors:
+    """What a set-style and a reference-counting consumer believe."""
+
+    def __init__(self) -> None:
+        self.set_view: set[tuple] = set()
+        self.counts: Counter[tuple] = Counter()
+
+    def apply(self, events: Iterable[KVCacheEvent]) -> None:
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self.set_view.clear()
+                self.counts.clear()
+                continue
+            for h in event.block_hashes:
+                key = (h, event.group_idx, event.medium)
+                if isinstance(event, BlockStored):
+                    self.set_view.add(key)
+                    self.counts[key] += 1
+                else:
+                    self.set_view.discard(key)
+                    if self.counts[key] > 0:
+                        self.counts[key] -= 1
+                    if self.counts[key] == 0:
+                        del self.counts[key]
+
+    @property
+    def count_view(self) -> set[tuple]:
+        return set(self.counts)
+
+
+def resident_keys(pool: BlockPool) -> set[tuple]:
+    return {
+        (ext(get_block_hash(k)), get_group_id(k), pool.medium)
+        for k in pool.cached_block_hash_to_block.resident_keys()
+    }
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_copy_semantics_config_default_and_values():
+    assert KVEventsConfig().copy_semantics == "logical"
+    for policy in POLICIES:
+        assert KVEventsConfig(copy_semantics=policy).copy_semantics == policy
+    assert make_pool("logical").kv_events_copy_semantics == "logical"
+    assert (
+        BlockPool(num_gpu_blocks=2, enable_caching=True, hash_block_size=4)
+    ).kv_events_copy_semantics == "logical"
+
+
+def test_copy_semantics_config_rejects_unknown_value():
+    with pytest.raises(ValueError) as exc_info:
+        KVEventsConfig(enable_kv_cache_events=True, copy_semantics="per_copy")
+    message = str(exc_info.value)
+    for policy in POLICIES:
+        assert policy in message
+    with pytest.raises(AssertionError, match="last_copy"):
+        make_pool("per_copy")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_publisher_factory_accepts_copy_semantics(policy):
+    """The field is read by the block pools, not passed to the publisher."""
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint="inproc://kv-event-copy-semantics",
+        copy_semantics=policy,
+    )
+    publisher = EventPublisherFactory.create(config)
+    try:
+        assert isinstance(publisher, ZmqEventPublisher)
+    finally:
+        publisher.shutdown()
+
+
+def test_copy_semantics_reaches_manager_coordinator_and_pool():
+    config = make_kv_cache_config(num_blocks=8)
+    for policy in POLICIES:
+        manager = KVCacheManager(
+            config,
+            max_model_len=64,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            enable_kv_cache_events=True,
+            kv_events_copy_semantics=policy,
+        )
+        assert manager.block_pool.kv_events_copy_semantics == policy
+        for single_type_manager in manager.coordinator.single_type_managers:
+            assert single_type_manager.block_pool.kv_events_copy_semantics == policy
+
+
+def test_hisparse_host_pool_inherits_copy_semantics():
+    for policy in POLICIES:
+        device_pool = make_pool(policy)
+        fake_manager = SimpleNamespace(
+            block_pool=device_pool,
+            enable_caching=True,
+            kv_cache_spec=SimpleNamespace(prefix_cacheable=True),
+        )
+        HiSparseSourceManager.bind_host_pool(fake_manager, 8)  # type: ignore[arg-type]
+        host_pool = fake_manager.block_pool
+        assert isinstance(host_pool, SharedEventQueueBlockPool)
+        assert host_pool.medium == MEDIUM_CPU
+        assert host_pool.kv_events_copy_semantics == policy
+
+
+# ---------------------------------------------------------- map helper
+
+
+def test_block_hash_map_reports_first_and_last_copy():
+    cache_map = BlockHashToBlockMap()
+    key = make_block_hash_with_group_id(b"h" * 32, 0)
+    b1, b2, b3 = (KVCacheBlock(i) for i in (1, 2, 3))
+    assert cache_map.insert(key, b1) is True
+    assert cache_map.insert(key, b2) is False
+    assert cache_map.insert(key, b3) is False
+    assert cache_map.num_copies(key) == 3
+    assert cache_map.pop_copy(key, 7) == (None, False)
+    assert cache_map.pop_copy(key, 2) == (b2, False)
+    assert cache_map.pop_copy(key, 1) == (b1, False)
+    assert cache_map.pop_copy(key, 3) == (b3, True)
+    assert cache_map.num_copies(key) == 0
+    assert cache_map.pop_copy(key, 3) == (None, False)
+    # ``pop`` keeps its signature.
+    cache_map.insert(key, b1)
+    assert cache_map.pop(key, 1) is b1
+
+
+# ------------------------------------------------------ the seed example
+
+
+def seed_example(policy: str):
+    """A: H1->H2->H3; B: H1..H7 with H3 recomputed on its own block."""
+    pool = make_pool(policy)
+    req_a = make_request("A", tokens(3))
+    blocks_a = pool.get_new_blocks(3)
+    cache(pool, req_a, blocks_a)
+    pool.free_blocks(blocks_a)
+
+    req_b = make_request("B", tokens(7))
+    # B hits H1, H2 and recomputes H3 on a new block (P3-B).
+    pool.touch(blocks_a[:2])
+    new_blocks = pool.get_new_blocks(5)
+    blocks_b = blocks_a[:2] + new_blocks
+    cache(pool, req_b, blocks_b, num_cached_blocks=2)
+    return pool, req_a, req_b, blocks_a, blocks_b
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_seed_example_evicting_one_copy_of_h3(policy):
+    pool, req_a, req_b, blocks_a, blocks_b = seed_example(policy)
+    h = [ext(x) for x in req_b.block_hashes]
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockStored]
+    first, second = events
+    assert first.block_hashes == h[:3] and first.parent_block_hash is None
+    if policy == "logical":
+        # H3 was already resident: B's event starts at H4, parented by H3.
+        assert second.block_hashes == h[3:]
+        assert second.parent_block_hash == h[2]
+        assert second.token_ids == req_b.all_token_ids[3 * BLOCK_SIZE :]
+    else:
+        assert second.block_hashes == h[2:]
+        assert second.parent_block_hash == h[1]
+        assert second.token_ids == req_b.all_token_ids[2 * BLOCK_SIZE :]
+    assert second.block_size == BLOCK_SIZE
+
+    # Evict P3-A (A's copy of H3) through a KV connector: P3-B still holds H3.
+    pool.evict_blocks({blocks_a[2].block_id})
+    events = pool.take_events()
+    if policy == "physical":
+        assert removed_hashes(events) == [h[2]]
+    else:
+        assert events == []
+    assert pool.get_cached_block(req_b.block_hashes[2], [0]) == [blocks_b[2]]
+
+    # Evicting the last copy removes the key under every policy.
+    pool.evict_blocks({blocks_b[2].block_id})
+    assert removed_hashes(pool.take_events()) == [h[2]]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_three_copies_evicted_one_by_one(policy):
+    pool = make_pool(policy)
+    mirrors = Mirrors()
+    copies = []
+    for i in range(3):
+        req = make_request(f"r{i}", tokens(1))
+        block = pool.get_new_blocks(1)
+        cache(pool, req, block)
+        pool.free_blocks(block)
+        copies.append(block[0])
+    target = ext(req.block_hashes[0])
+    events = pool.take_events()
+    mirrors.apply(events)
+    assert stored_hashes(events) == [target] * (1 if policy == "logical" else 3)
+
+    removed_per_step = []
+    set_ok, count_ok = [], []
+    for block in copies:
+        pool.evict_blocks({block.block_id})
+        events = pool.take_events()
+        mirrors.apply(events)
+        removed_per_step.append(removed_hashes(events).count(target))
+        set_ok.append(mirrors.set_view == resident_keys(pool))
+        count_ok.append(mirrors.count_view == resident_keys(pool))
+    if policy == "physical":
+        assert removed_per_step == [1, 1, 1]
+    else:
+        assert removed_per_step == [0, 0, 1]
+    assert resident_keys(pool) == set()
+    # Each consumer stays right only where the stream matches its model:
+    # "physical" drops the key from a set while two copies remain, and
+    # "last_copy" leaves a reference count of 2 behind.
+    assert all(set_ok) == (policy != "physical")
+    assert all(count_ok) == (policy != "last_copy")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eviction_on_allocation_waits_for_last_copy(policy):
+    pool = make_pool(policy, num_blocks=3)
+    req = make_request("r", tokens(1))
+    copies = []
+    for _ in range(2):
+        block = pool.get_new_blocks(1)
+        cache(pool, req, block)
+        pool.free_blocks(block)
+        copies.extend(block)
+    pool.take_events()
+    # The free queue is LRU: the first allocation evicts the first copy.
+    first = pool.get_new_blocks(1)
+    assert first == [copies[0]]
+    assert removed_hashes(pool.take_events()) == (
+        [ext(req.block_hashes[0])] if policy == "physical" else []
+    )
+    second = pool.get_new_blocks(1)
+    assert second == [copies[1]]
+    assert removed_hashes(pool.take_events()) == [ext(req.block_hashes[0])]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_evict_blocks_of_referenced_block(policy):
+    pool = make_pool(policy)
+    req = make_request("r", tokens(2))
+    held = pool.get_new_blocks(2)
+    cache(pool, req, held)
+    other = pool.get_new_blocks(2)
+    cache(pool, req, other)
+    pool.take_events()
+    # ``held`` is still referenced; evict_blocks drops it from the index.
+    pool.evict_blocks({b.block_id for b in held})
+    events = pool.take_events()
+    assert all(b.ref_cnt == 1 for b in held)
+    if policy == "physical":
+        assert sorted(removed_hashes(events)) == sorted(
+            ext(x) for x in req.block_hashes
+        )
+    else:
+        assert events == []
+    pool.evict_blocks({b.block_id for b in other})
+    assert sorted(removed_hashes(pool.take_events())) == sorted(
+        ext(x) for x in req.block_hashes
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fully_resident_batch_emits_no_store(policy):
+    pool = make_pool(policy)
+    req = make_request("r", tokens(3))
+    cache(pool, req, pool.get_new_blocks(3))
+    pool.take_events()
+    cache(pool, req, pool.get_new_blocks(3))
+    events = pool.take_events()
+    if policy == "logical":
+        assert events == []
+    else:
+        assert stored_hashes(events) == [ext(x) for x in req.block_hashes]
+
+
+def test_logical_store_splits_into_runs_with_aligned_fields():
+    """Resident keys in the middle of a batch split it into contiguous runs."""
+    pool = make_pool("logical", num_blocks=20)
+    req = make_request("r", tokens(6))
+    h = [ext(x) for x in req.block_hashes]
+    # Copies of H2 and H4 (indices 1 and 3) are already resident.
+    for idx in (1, 3):
+        blocks = [pool.null_block] * idx + pool.get_new_blocks(1)
+        cache(pool, req, blocks, num_cached_blocks=idx)
+    pool.take_events()
+
+    cache(pool, req, pool.get_new_blocks(6))
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockStored] * 3
+    assert [e.block_hashes for e in events] == [[h[0]], [h[2]], h[4:]]
+    assert [e.parent_block_hash for e in events] == [None, h[1], h[3]]
+    assert [e.token_ids for e in events] == [
+        req.all_token_ids[0:4],
+        req.all_token_ids[8:12],
+        req.all_token_ids[16:24],
+    ]
+    assert [len(e.extra_keys or [None] * len(e.block_hashes)) for e in events] == [
+        len(e.block_hashes) for e in events
+    ]
+
+
+def test_logical_store_runs_keep_lookahead_tokens_aligned():
+    pool = BlockPool(
+        num_gpu_blocks=10,
+        enable_caching=True,
+        hash_block_size=BLOCK_SIZE,
+        enable_kv_cache_events=True,
+        num_hash_lookahead_tokens=2,
+        kv_events_copy_semantics="logical",
+    )
+    req = Request(
+        request_id="r",
+        prompt_token_ids=tokens(4),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256, 2),
+    )
+    h = [ext(x) for x in req.block_hashes]
+    cache(pool, req, [pool.null_block] + pool.get_new_blocks(1), num_cached_blocks=1)
+    pool.take_events()
+    cache(pool, req, pool.get_new_blocks(len(h)))
+    events = pool.take_events()
+    assert [e.block_hashes for e in events] == [[h[0]], h[2:]]
+    for event in events:
+        assert event.lookahead_token_ids is not None
+        assert len(event.lookahead_token_ids) == len(event.block_hashes)
+    assert events[1].lookahead_token_ids[0] == req.all_token_ids[12:14]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_groups_are_independent(policy):
+    pool = make_pool(policy)
+    req = make_request("r", tokens(1))
+    g0 = pool.get_new_blocks(1)
+    g1 = pool.get_new_blocks(1)
+    cache(pool, req, g0, group=0)
+    cache(pool, req, g1, group=1)
+    events = pool.take_events()
+    # The same hash in another group is another key: both are stored.
+    assert [(e.block_hashes, e.group_idx) for e in events] == [
+        ([ext(req.block_hashes[0])], 0),
+        ([ext(req.block_hashes[0])], 1),
+    ]
+    pool.evict_blocks({g0[0].block_id})
+    events = pool.take_events()
+    assert [(e.block_hashes, e.group_idx) for e in events] == [
+        ([ext(req.block_hashes[0])], 0)
+    ]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_move_block_hashes_emits_nothing_and_keeps_copies(policy):
+    pool = make_pool(policy)
+    mirrors = Mirrors()
+    req = make_request("r", tokens(1))
+    src = pool.get_new_blocks(1)[0]
+    cache(pool, req, [src])
+    other = pool.get_new_blocks(1)[0]
+    cache(pool, req, [other])
+    mirrors.apply(pool.take_events())
+    key = make_block_hash_with_group_id(req.block_hashes[0], 0)
+    dst = pool.get_new_blocks(1)[0]
+    pool.move_block_hashes(src, dst)
+    assert pool.take_events() == []
+    assert pool.cached_block_hash_to_block.num_copies(key) == 2
+    # Moving the only copy changes nothing either.
+    pool.evict_blocks({other.block_id})
+    mirrors.apply(pool.take_events())
+    dst2 = pool.get_new_blocks(1)[0]
+    pool.move_block_hashes(dst, dst2)
+    assert pool.take_events() == []
+    assert pool.cached_block_hash_to_block.num_copies(key) == 1
+    pool.evict_blocks({dst2.block_id})
+    mirrors.apply(pool.take_events())
+    if policy == "logical":
+        assert mirrors.set_view == mirrors.count_view == set()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_emit_cached_block_events_re_announces(policy):
+    pool = make_pool(policy)
+    req = make_request("r", tokens(2))
+    cache(pool, req, pool.get_new_blocks(2))
+    pool.take_events()
+    pool.emit_cached_block_events(req, 2, BLOCK_SIZE, 0)
+    events = pool.take_events()
+    assert len(events) == 1
+    assert events[0].block_hashes == [ext(x) for x in req.block_hashes]
+    assert events[0].parent_block_hash is None
+
+
+# -------------------------------------------------- partial-prefix keys
+
+HASH_BLOCK = 2
+GROUP_BLOCK = 6
+
+
+def make_partial_setup(policy: str):
+    pool = make_pool(policy, num_blocks=8, hash_block_size=HASH_BLOCK)
+    req = make_request("p", [0, 0, 1, 1, 2, 2, 3, 3], block_size=HASH_BLOCK)
+    return pool, req
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_partial_key_store_and_remove_follow_copies(policy):
+    pool, req = make_partial_setup(policy)
+    blocks = [pool.get_new_blocks(1)[0] for _ in range(2)]
+    for block in blocks:
+        assert pool.cache_partial_block(
+            request=req,
+            block=block,
+            num_tokens=4,
+            kv_cache_group_id=0,
+            block_size=GROUP_BLOCK,
+        )
+    target = ext(req.block_hashes[1])
+    events = pool.take_events()
+    assert stored_hashes(events) == [target] * (1 if policy == "logical" else 2)
+    pool.evict_blocks({blocks[0].block_id})
+    assert removed_hashes(pool.take_events()) == (
+        [target] if policy == "physical" else []
+    )
+    pool.evict_blocks({blocks[1].block_id})
+    assert removed_hashes(pool.take_events()) == [target]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_partial_replace_path_waits_for_last_copy(policy):
+    pool, req = make_partial_setup(policy)
+    blocks = [pool.get_new_blocks(1)[0] for _ in range(2)]
+    for block in blocks:
+        pool.cache_partial_block(
+            request=req,
+            block=block,
+            num_tokens=4,
+            kv_cache_group_id=0,
+            block_size=GROUP_BLOCK,
+        )
+    pool.take_events()
+    # Re-key blocks[0] to the 8-token boundary, dropping its 4-token entry.
+    pool.cache_partial_block(
+        request=req,
+        block=blocks[0],
+        num_tokens=8,
+        kv_cache_group_id=0,
+        block_size=GROUP_BLOCK,
+        replace_existing_hashes=True,
+    )
+    events = pool.take_events()
+    key4, key8 = ext(req.block_hashes[1]), ext(req.block_hashes[3])
+    assert removed_hashes(events) == ([key4] if policy == "physical" else [])
+    assert stored_hashes(events) == [key8]
+    # The longer-prefix (non-replace) path re-keys blocks[1] too.
+    pool.cache_partial_block(
+        request=req,
+        block=blocks[1],
+        num_tokens=8,
+        kv_cache_group_id=0,
+        block_size=GROUP_BLOCK,
+    )
+    events = pool.take_events()
+    assert removed_hashes(events) == [key4]
+    assert stored_hashes(events) == ([] if policy == "logical" else [key8])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_partial_to_full_promotion_waits_for_last_copy(policy):
+    pool, req = make_partial_setup(policy)
+    req.append_output_token_ids([4, 4, 5, 5])  # 12 tokens: two full blocks
+    full = BlockHashListWithBlockSize(req.block_hashes, HASH_BLOCK, GROUP_BLOCK)
+    first = pool.get_new_blocks(1)[0]
+    pool.cache_full_blocks(
+        request=req,
+        blocks=[first],
+        num_cached_blocks=0,
+        num_full_blocks=1,
+        block_size=GROUP_BLOCK,
+        kv_cache_group_id=0,
+    )
+    tails = [pool.get_new_blocks(1)[0] for _ in range(2)]
+    for tail in tails:
+        pool.cache_partial_block(
+            request=req,
+            block=tail,
+            num_tokens=8,
+            kv_cache_group_id=0,
+            block_size=GROUP_BLOCK,
+        )
+    pool.take_events()
+    partial = ext(req.block_hashes[3])
+    # Promote tails[0] to the full second block: one copy of the partial
+    # key remains on tails[1].
+    pool.cache_full_blocks(
+        request=req,
+        blocks=[first, tails[0]],
+        num_cached_blocks=1,
+        num_full_blocks=2,
+        block_size=GROUP_BLOCK,
+        kv_cache_group_id=0,
+    )
+    events = pool.take_events()
+    assert removed_hashes(events) == ([partial] if policy == "physical" else [])
+    assert stored_hashes(events) == [ext(full[1])]
+    pool.cache_full_blocks(
+        request=req,
+        blocks=[first, tails[1]],
+        num_cached_blocks=1,
+        num_full_blocks=2,
+        block_size=GROUP_BLOCK,
+        kv_cache_group_id=0,
+    )
+    events = pool.take_events()
+    assert removed_hashes(events) == [partial]
+    assert stored_hashes(events) == ([] if policy == "logical" else [ext(full[1])])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_direct_eviction_of_a_transient_copy(policy):
+    """The Mamba checkpoint path evicts a transient block directly."""
+    pool = make_pool(policy)
+    req = make_request("r", tokens(1))
+    kept = pool.get_new_blocks(1)
+    cache(pool, req, kept)
+    transient = pool.get_new_blocks(1)
+    cache(pool, req, transient)
+    pool.take_events()
+    assert pool._maybe_evict_cached_block(transient[0])
+    assert removed_hashes(pool.take_events()) == (
+        [ext(req.block_hashes[0])] if policy == "physical" else []
+    )
+    assert pool._maybe_evict_cached_block(kept[0])
+    assert removed_hashes(pool.take_events()) == [ext(req.block_hashes[0])]
+
+
+# ------------------------------------------------------------- wire format
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_events_decode_with_stock_schema(policy):
+    pool, *_ = seed_example(policy)
+    events = pool.take_events()
+    batch = KVEventBatch(ts=0.0, events=events)
+    payload = msgspec.msgpack.Encoder().encode(batch)
+    decoded = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
+    assert decoded.events == events
+    assert {f for e in events for f in e.__struct_fields__} <= set(
+        BlockStored.__struct_fields__
+    )
+
+
+# ------------------------------------------------------------------ reset
+
+
+def make_kv_cache_config(num_blocks: int) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+
+
+def make_coordinator_with_host_pool(policy: str):
+    """A two-group coordinator whose second group publishes, like HiSparse's
+    host tier, into the first pool's event queue with medium CPU."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    swa = SlidingWindowSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
+        sliding_window=4 * BLOCK_SIZE,
+    )
+    config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], spec),
+            KVCacheGroupSpec(["swa"], swa),
+        ],
+    )
+    coordinator = get_kv_cache_coordinator(
+        kv_cache_config=config,
+        max_model_len=64,
+        max_in_flight_tokens=64,
+        use_eagle=False,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        kv_events_copy_semantics=policy,
+    )
+    device_pool = coordinator.block_pool
+    host_pool = SharedEventQueueBlockPool(
+        num_gpu_blocks=8,
+        enable_caching=True,
+        hash_block_size=BLOCK_SIZE,
+        enable_kv_cache_events=True,
+        medium=MEDIUM_CPU,
+        kv_events_copy_semantics=policy,
+        event_owner=device_pool,
+    )
+    coordinator.single_type_managers[1].block_pool = host_pool
+    return coordinator, device_pool, host_pool
+
+
+def test_reset_refused_by_one_pool_resets_no_pool():
+    """A refusal by any pool must leave every pool (and the stream) intact."""
+    coordinator, device_pool, host_pool = make_coordinator_with_host_pool("logical")
+    req = make_request("r", tokens(2))
+    device_blocks = device_pool.get_new_blocks(2)
+    cache(device_pool, req, device_blocks)
+    device_pool.free_blocks(device_blocks)
+    host_blocks = host_pool.get_new_blocks(2)
+    cache(host_pool, req, host_blocks, group=1)  # still referenced
+    device_pool.take_events()
+
+    assert coordinator.reset_prefix_cache() is False
+    assert device_pool.take_events() == []
+    assert len(device_pool.cached_block_hash_to_block) == 2
+    assert device_pool.get_cached_block(req.block_hashes[0], [0]) is not None
+    assert len(host_pool.cached_block_hash_to_block) == 2
+
+    host_pool.free_blocks(host_blocks)
+    assert coordinator.reset_prefix_cache() is True
+    assert len(device_pool.cached_block_hash_to_block) == 0
+    assert len(host_pool.cached_block_hash_to_block) == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_shared_queue_pool_reset_removes_its_keys_per_medium(policy):
+    coordinator, device_pool, host_pool = make_coordinator_with_host_pool(policy)
+    mirrors = Mirrors()
+    req = make_request("r", tokens(2))
+    device_blocks = device_pool.get_new_blocks(2)
+    cache(device_pool, req, device_blocks)
+    device_pool.free_blocks(device_blocks)
+    for _ in range(2):  # two host copies of each key
+        host_blocks = host_pool.get_new_blocks(2)
+        cache(host_pool, req, host_blocks, group=1)
+        host_pool.free_blocks(host_blocks)
+    mirrors.apply(device_pool.take_events())
+
+    assert host_pool.reset_prefix_cache() is True
+    events = device_pool.take_events()
+    assert not any(isinstance(e, AllBlocksCleared) for e in events)
+    assert {e.medium for e in events} == {MEDIUM_CPU}
+    assert all(isinstance(e, BlockRemoved) and e.group_idx == 1 for e in events)
+    expected = [ext(x) for x in req.block_hashes]
+    copies = 2 if policy == "physical" else 1
+    assert sorted(removed_hashes(events)) == sorted(expected * copies)
+    mirrors.apply(events)
+    # The GPU tier is untouched by the host pool's reset.
+    gpu_keys = resident_keys(device_pool)
+    assert gpu_keys and {k for k in mirrors.set_view if k[2] == MEDIUM_GPU} == (
+        gpu_keys
+    )
+
+
+def test_coordinator_reset_emits_per_medium_then_all_blocks_cleared():
+    coordinator, device_pool, host_pool = make_coordinator_with_host_pool("logical")
+    mirrors = Mirrors()
+    req = make_request("r", tokens(2))
+    device_blocks = device_pool.get_new_blocks(2)
+    cache(device_pool, req, device_blocks)
+    device_pool.free_blocks(device_blocks)
+    host_blocks = host_pool.get_new_blocks(2)
+    cache(host_pool, req, host_blocks, group=1)
+    host_pool.free_blocks(host_blocks)
+    mirrors.apply(device_pool.take_events())
+    assert coordinator.reset_prefix_cache() is True
+    events = device_pool.take_events()
+    assert sum(isinstance(e, AllBlocksCleared) for e in events) == 1
+    assert all(e.medium == MEDIUM_CPU for e in events if isinstance(e, BlockRemoved))
+    mirrors.apply(events)
+    assert mirrors.set_view == mirrors.count_view == set()

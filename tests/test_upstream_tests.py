@@ -1,0 +1,228 @@
+"""Tests of ci/vllm_overlay/upstream_tests.py on small synthetic inputs.
+
+The end-to-end tests need a python with vLLM installed; they use the
+interpreter running these tests (the project's test venv).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay import upstream_tests as ut
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.a.test_x" name="test_ok" file="tests/a/test_x.py" time="0.1">
+  <properties><property name="nodeid" value="tests/a/test_x.py::test_ok"/></properties>
+</testcase>
+<testcase classname="tests.a.test_x.TestK" name="test_p[a.b-1]" time="0.1"/>
+<testcase classname="tests.a.test_x" name="test_gpu" time="0.1">
+  <failure message="RuntimeError: Failed to infer device type, please set">tb</failure>
+</testcase>
+<testcase classname="tests.a.test_x" name="test_hub" time="0.1">
+  <failure message="pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, Invalid repository ID or local directory specified: 'facebook/opt-125m'.">tb</failure>
+</testcase>
+<testcase classname="tests.a.test_x" name="test_hub2" time="0.1">
+  <error message="failed on setup with &quot;huggingface_hub.errors.LocalEntryNotFoundError: Cannot find
+  an appropriate cached snapshot folder; outgoing traffic has been disabled.&quot;">
+  model = 'Qwen/Qwen3.5-0.8B'</error>
+</testcase>
+<testcase classname="tests.a.test_x" name="test_skip" time="0">
+  <skipped type="pytest.skip" message="needs 2 GPUs">tests/a/test_x.py:9: needs 2 GPUs</skipped>
+</testcase>
+<testcase classname="tests.a.test_x" name="test_teardown" time="0.1">
+  <error message="failed on teardown with &quot;ValueError: x&quot;">tb</error>
+</testcase>
+<testcase classname="" name="tests.a.test_broken" time="0">
+  <error message="collection failure">ImportError: No module named 'flashinfer'</error>
+</testcase>
+</testsuite></testsuites>
+"""
+
+
+def _tree(tmp_path: Path) -> Path:
+    (tmp_path / "tests" / "a").mkdir(parents=True)
+    (tmp_path / "tests" / "a" / "test_x.py").write_text("")
+    (tmp_path / "tests" / "a" / "test_broken.py").write_text("")
+    return tmp_path
+
+
+def test_parse_junit_nodeids_and_outcomes(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    (tree / "j.xml").write_text(JUNIT)
+    res = ut.parse_junit(tree / "j.xml", tree)
+    got = {k: v.outcome for k, v in res.items()}
+    assert got == {
+        "tests/a/test_x.py::test_ok": "passed",
+        "tests/a/test_x.py::TestK::test_p[a.b-1]": "passed",
+        "tests/a/test_x.py::test_gpu": "failed",
+        "tests/a/test_x.py::test_hub": "failed",
+        "tests/a/test_x.py::test_hub2": "error",
+        "tests/a/test_x.py::test_skip": "skipped",
+        "tests/a/test_x.py::test_teardown": "error",
+        "tests/a/test_broken.py": "error",
+    }
+    reasons = {
+        k: v["reason"] for k, v in ut.baseline_entries(res).items() if "reason" in v
+    }
+    assert (
+        reasons["tests/a/test_x.py::test_gpu"]
+        == "needs GPU: Failed to infer device type"
+    )
+    assert reasons["tests/a/test_x.py::test_hub"] == (
+        "needs model hub: facebook/opt-125m config"
+    )
+    assert reasons["tests/a/test_x.py::test_hub2"] == (
+        "needs model hub: Qwen/Qwen3.5-0.8B config"
+    )
+    assert reasons["tests/a/test_x.py::test_skip"] == "skipped upstream: needs 2 GPUs"
+    assert reasons["tests/a/test_broken.py"] == "missing module: flashinfer"
+    assert (
+        reasons["tests/a/test_x.py::test_teardown"] == "unclassified error: ValueError"
+    )
+
+
+def _base(tests: dict[str, dict[str, str]]) -> ut.Baseline:
+    return ut.Baseline(tests, ("tests/a",), {})
+
+
+def _res(**outcomes: str) -> dict[str, ut.TestResult]:
+    return {k: ut.TestResult(k, o, "", 0.0) for k, o in outcomes.items()}  # type: ignore[arg-type]
+
+
+def test_compare() -> None:
+    base = _base(
+        {
+            "a": {"outcome": "passed"},
+            "b": {"outcome": "passed"},
+            "c": {"outcome": "failed", "reason": "needs GPU"},
+            "d": {"outcome": "passed"},
+            "e": {"outcome": "failed", "reason": "x"},
+        }
+    )
+    cmp = ut.compare(
+        base,
+        _res(a="passed", b="failed", c="failed", e="passed", n1="passed", n2="skipped"),
+    )
+    assert cmp.regressions == ["b"]
+    assert cmp.missing == ["d"]
+    assert cmp.new_not_passed == ["n2"]
+    assert cmp.new_passed == ["n1"]
+    assert cmp.fixed == ["e"]
+    assert not cmp.ok
+    assert ut.compare(
+        base, _res(a="passed", b="passed", c="error", d="passed", e="failed")
+    ).ok
+
+
+def test_baseline_file_roundtrip_and_report(tmp_path: Path) -> None:
+    res = {
+        "t.py::b": ut.TestResult("t.py::b", "failed", "Failed to infer device type", 0),
+        "t.py::a": ut.TestResult("t.py::a", "passed", "", 0),
+    }
+    run = ut.RunResult(
+        res, 1, 3.0, tmp_path / "j", tmp_path / "l", ("t.py",), {"vllm": "0.33.0"}, {}
+    )
+    out = tmp_path / "b.json"
+    ut.write_baseline(run, out, tmp_path)
+    text = out.read_text()
+    data = json.loads(text)
+    assert list(data["tests"]) == ["t.py::a", "t.py::b"]
+    assert (
+        '"t.py::b": {"outcome": "failed", "reason": "needs GPU: Failed to infer device type"}'
+        in text
+    )
+    base = ut.load_baseline(out)
+    md = ut.render_report(base)
+    assert "`t.py::b` — failed: needs GPU: Failed to infer device type" in md
+    assert "t.py::a" not in md
+
+
+def test_vllm_import_check_rejects_shadowing(tmp_path: Path) -> None:
+    fake = tmp_path / "src"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("__version__ = 'fake'\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(fake)}
+    with pytest.raises(ut.HarnessError, match="not in .*site-packages"):
+        ut.check_vllm_import(Path(sys.executable), tmp_path, env)
+
+
+@pytest.mark.timeout(600)
+def test_record_then_check_end_to_end(tmp_path: Path) -> None:
+    """A synthetic tree through the real CLI, with this interpreter's vLLM."""
+    tree = tmp_path / "tree"
+    (tree / "tests").mkdir(parents=True)
+    (tree / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (tree / "tests" / "test_s.py").write_text(
+        textwrap.dedent(
+            """
+            import torch, vllm, pytest
+            def test_ok():
+                torch.accelerator.empty_cache()  # no-op through the plugin
+                assert "site-packages" in vllm.__file__
+            def test_gpu():
+                raise RuntimeError("Failed to infer device type")
+            @pytest.mark.parametrize("x", [1, 2])
+            def test_p(x):
+                assert x in (1, 2)
+            """
+        )
+    )
+    pkg_root = Path(ut.__file__).resolve().parent.parent
+    cli = [sys.executable, "-m", "vllm_overlay.upstream_tests"]
+    common = ["--tree", str(tree), "--python", sys.executable, "-q"]
+    base = tmp_path / "base.json"
+    r = subprocess.run(
+        [*cli, "record", *common, "--out", str(base), "--selection", "tests/test_s.py"],
+        check=False,
+        cwd=pkg_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    tests = json.loads(base.read_text())["tests"]
+    assert tests == {
+        "tests/test_s.py::test_gpu": {
+            "outcome": "failed",
+            "reason": "needs GPU: Failed to infer device type",
+        },
+        "tests/test_s.py::test_ok": {"outcome": "passed"},
+        "tests/test_s.py::test_p[1]": {"outcome": "passed"},
+        "tests/test_s.py::test_p[2]": {"outcome": "passed"},
+    }
+    # "patch" the tree: one regression, one dropped test, one new failing test
+    (tree / "tests" / "test_s.py").write_text(
+        textwrap.dedent(
+            """
+            def test_ok():
+                assert False
+            def test_gpu():
+                pass
+            def test_p():
+                pass
+            """
+        )
+    )
+    r = subprocess.run(
+        [*cli, "check", *common, "--baseline", str(base)],
+        check=False,
+        cwd=pkg_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (
+        "REGRESSION: passed in the baseline, not now (1):\n  tests/test_s.py::test_ok"
+        in r.stdout
+    )
+    assert "MISSING: in the baseline, not in this run (2)" in r.stdout
+    assert "new tests passing (1):\n  tests/test_s.py::test_p" in r.stdout
