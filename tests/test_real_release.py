@@ -41,13 +41,6 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
-def _touched() -> set[str]:
-    patches = series.load_series(REPO.patches)
-    return {t for p in patches for t in p.targets} | set(
-        overlay.overlay_files(REPO.overlay)
-    )
-
-
 def test_series_is_not_empty() -> None:
     assert series.load_series(REPO.patches), "the series must carry the fix"
 
@@ -87,14 +80,18 @@ def test_workspace_round_trip_of_the_real_series(tmp_path: Path) -> None:
 
 
 def test_built_wheel_passes_the_check() -> None:
-    result = wheelcheck.compare(_built_wheel(), _official(), REPO.tree, _touched())
+    result = wheelcheck.compare(
+        _built_wheel(), _official(), REPO.tree, overlay.touched_files(REPO)
+    )
     assert result.problems(PIN.wheel_tag) == []
     assert _built_wheel().name == f"vllm-{PIN.overlay_version}-{PIN.wheel_tag}.whl"
 
 
 def test_built_wheel_carries_every_patched_module() -> None:
     with zipfile.ZipFile(_built_wheel()) as ours, zipfile.ZipFile(_official()) as off:
-        for target in sorted(t for t in _touched() if t.startswith("vllm/")):
+        for target in sorted(
+            t for t in overlay.touched_files(REPO) if t.startswith("vllm/")
+        ):
             assert ours.read(target) == (REPO.tree / target).read_bytes()
             if target in off.namelist():
                 assert ours.read(target) != off.read(target), target
@@ -142,9 +139,9 @@ def _rewrite(src: Path, dest: Path, edit) -> Path:
 )
 def test_wheel_check_catches(tmp_path: Path, edit, problem: str) -> None:
     bad = _rewrite(_built_wheel(), tmp_path / _built_wheel().name, edit)
-    problems = wheelcheck.compare(bad, _official(), REPO.tree, _touched()).problems(
-        PIN.wheel_tag
-    )
+    problems = wheelcheck.compare(
+        bad, _official(), REPO.tree, overlay.touched_files(REPO)
+    ).problems(PIN.wheel_tag)
     assert any(problem in p for p in problems), problems
 
 

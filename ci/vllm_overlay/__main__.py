@@ -32,17 +32,6 @@ from vllm_overlay.pin import load_pin
 from vllm_overlay.proc import run_logged
 
 
-def _patched(layout: Layout) -> set[str]:
-    """Upstream-relative files the series changes or the overlay adds."""
-    touched = {t for p in series.load_series(layout.patches) for t in p.targets}
-    return touched | set(overlay.overlay_files(layout.overlay))
-
-
-def _touched(layout: Layout) -> set[str]:
-    """Files of the built tree that differ from upstream's."""
-    return _patched(layout) | {manifest.MODULE}
-
-
 def cmd_fetch_wheel(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
     return str(fetch.fetch(pin.wheel, layout.downloads))
@@ -110,7 +99,7 @@ def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
         pin,
         args.mode,
         official_wheel=args.official,
-        touched=_touched(layout),
+        touched=overlay.touched_files(layout),
         build_requirements=layout.build_requirements,
         cache_dir=layout.cache,
         out_dir=layout.wheel_dir,
@@ -123,7 +112,11 @@ def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
     wheelcheck.check_wheel(
-        args.wheel, args.official, args.tree, _touched(layout), pin.wheel_tag
+        args.wheel,
+        args.official,
+        args.tree,
+        overlay.touched_files(layout),
+        pin.wheel_tag,
     )
     return str(args.wheel)
 
@@ -157,7 +150,7 @@ def cmd_test_env(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
     """ruff, with upstream's own configuration, on the files we change."""
-    files = sorted(f for f in _patched(layout) if f.endswith(".py"))
+    files = sorted(f for f in overlay.patched_files(layout) if f.endswith(".py"))
     if not files:
         return "no patched upstream Python files"
     for ruff_args in (["check"], ["format", "--check"]):

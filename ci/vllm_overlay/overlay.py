@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.manifest import MODULE as MANIFEST_MODULE
+from vllm_overlay.paths import Layout
+from vllm_overlay.series import load_series
 
 
 def overlay_files(overlay_dir: Path) -> list[str]:
@@ -38,3 +41,15 @@ def copy_overlay(overlay_dir: Path, tree: Path) -> list[str]:
         shutil.copy2(overlay_dir / rel, target)
     print(f"  copied {len(files)} overlay files", file=sys.stderr)
     return files
+
+
+def patched_files(layout: Layout) -> set[str]:
+    """Upstream-relative files the series changes or the overlay adds."""
+    touched = {t for p in load_series(layout.patches) for t in p.targets}
+    return touched | set(overlay_files(layout.overlay))
+
+
+def touched_files(layout: Layout) -> set[str]:
+    """Files of the built tree that differ from upstream's: the patched ones
+    and the generated provenance manifest."""
+    return patched_files(layout) | {MANIFEST_MODULE}
