@@ -171,7 +171,9 @@ def test_interrupted_build_leaves_dist(checkout_copy: Layout) -> None:
     for line in proc.stderr:
         if line.startswith("==> build the wheel"):
             break
-    os.killpg(proc.pid, signal.SIGINT)
+    # SIGKILL: nothing in the build gets to clean up (SIGINT may be ignored
+    # by a build started in the background).
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=120)
     assert proc.returncode != 0
     assert _dist_state(checkout_copy) == before
