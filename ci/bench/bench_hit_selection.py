@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -296,7 +295,7 @@ def main() -> None:
     per_seed = {
         key: [
             (round(f[key], 4), round(r[key], 4))
-            for f, r in zip(results["first"], results["referenced"])
+            for f, r in zip(results["first"], results["referenced"], strict=True)
         ]
         for key in ("hit_rate", "blocks_computed", "copies_mean")
     }

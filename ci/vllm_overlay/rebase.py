@@ -216,4 +216,9 @@ def dry_run(
     for version, names in needs_human.items():
         for name in names:
             print(f"needs a human on {version}: {name}", file=sys.stderr)
+        print(
+            f"needs a human on {version}: pin.toml's [upstream.wheel] torch "
+            "and [build] torch (read them off that release's wheel METADATA)",
+            file=sys.stderr,
+        )
     return 0
