@@ -48,6 +48,16 @@ def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
     return str(layout.partial_tree)
 
 
+def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
+    pin = load_pin(layout.pin)
+    source.fresh_dir(layout.pristine_tree)
+    upstream = source.lay_scratch_tree(
+        layout.root, pin, layout.downloads, layout.pristine_tree
+    )
+    print(f"  source: {upstream.description}", file=sys.stderr)
+    return str(layout.pristine_tree)
+
+
 def cmd_apply_series(layout: Layout, args: argparse.Namespace) -> str:
     apply.apply_series(args.tree, series.load_series(layout.patches))
     return str(args.tree)
@@ -208,6 +218,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add("fetch-wheel", cmd_fetch_wheel, "download and verify the official wheel")
     add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
+    add("pristine-tree", cmd_pristine_tree, "the unpatched tree, for comparisons")
     add(
         "apply-series", cmd_apply_series, "apply patches/series, zero fuzz"
     ).add_argument("tree", type=Path)

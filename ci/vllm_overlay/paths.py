@@ -55,6 +55,11 @@ class Layout:
         return self.build / "tree"
 
     @property
+    def pristine_tree(self) -> Path:
+        """The unpatched upstream tree, for side-by-side benchmarks."""
+        return self.build / "pristine"
+
+    @property
     def workspace(self) -> Path:
         """The maintainer's git workspace (README, 'Refresh a patch')."""
         return self.build / "workspace"
