@@ -20,6 +20,6 @@ step "project tests"
 "$python" -m pytest tests
 step "upstream tests and the overlay's new tests, vs the unpatched baseline"
 mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
-PYTHONPATH=ci "$python" -m vllm_overlay.upstream_tests check \
+PYTHONPATH=ci "$python" -m vllm_overlay.upstream_tests check -q \
   --tree build/tree --python "$python" --baseline ci/upstream-baseline.json \
   --extra "${new_tests[@]}"
