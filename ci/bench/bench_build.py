@@ -118,8 +118,50 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(json.dumps(result, indent=2, sort_keys=True))
+    args.out.with_suffix(".md").write_text(_markdown(result, args))
+    print(args.out.with_suffix(".md").read_text())
     return 0
+
+
+def _markdown(result: dict, args: argparse.Namespace) -> str:
+    warm, cold, sizes = result["warm"], result["cold"], result["sizes"]
+    python_only = warm["python-only"]["median_s"]
+    lines = [
+        "# Build routes",
+        "",
+        f"{result['date']}, {result['machine']}; {args.repeats} warm repeats per "
+        f"route (alternated), {args.cold} cold run(s) per route. Command: "
+        f"`python3 ci/bench/bench_build.py --repeats {args.repeats} --cold "
+        f"{args.cold}`. *halves*: median of the first and second half of the "
+        "warm repeats (the spread of running the same route twice).",
+        "",
+        "| route | warm median s | halves s | vs python-only | cold s "
+        "| downloads MB | build env MB |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for route, w in warm.items():
+        halves = (
+            f"{w['median_first_half_s']:.2f} / {w['median_second_half_s']:.2f}"
+            if "median_first_half_s" in w
+            else "-"
+        )
+        c = cold.get(route, {}).get("median_s")
+        size = sizes.get(route, {})
+        lines.append(
+            f"| {route} | {w['median_s']:.2f} | {halves} "
+            f"| {python_only / w['median_s']:.1f}x faster "
+            f"| {'-' if c is None else f'{c:.1f}'} "
+            f"| {size.get('downloads_bytes', 0) / 1e6:.0f} "
+            f"| {size.get('build_env_bytes', 0) / 1e6:.0f} |"
+        )
+    lines += [
+        "",
+        "Cold runs start from an empty project cache (`.cache/`); pip's "
+        "own cache and the machine's local torch files are not emptied, so "
+        "the build venv's torch came from local disk.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

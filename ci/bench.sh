@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The benchmark command (README, "Benchmarks"); not part of the test run.
+# Writes docs/benchmarks/: the KV-event benchmarks (block-pool hot path,
+# event volume, router accuracy; patched build/tree vs the unpatched tree,
+# side by side in one run) and the build-route benchmark.
+#   ci/bench.sh [--quick]     --quick: a smoke run, figures not meaningful
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+quick=()
+case "${1:-}" in
+  "") ;;
+  --quick) quick=(--quick) ;;
+  *) echo "usage: ci/bench.sh [--quick]" >&2; exit 2 ;;
+esac
+
+step() { printf '==> %s\n' "$*" >&2; }
+
+step "build"
+./build.sh >/dev/null
+python=$(ci/overlay test-env dist/*.whl)
+pristine=$(ci/overlay pristine-tree)
+step "KV-event benchmarks: build/tree vs $pristine"
+"$python" ci/bench/run_all.py --patched-tree build/tree --unpatched-tree "$pristine" \
+  --python "$python" --out docs/benchmarks "${quick[@]}"
+step "build routes"
+if [ ${#quick[@]} -eq 0 ]; then
+  python3 ci/bench/bench_build.py --repeats 3 --cold 1 --out docs/benchmarks/build.json
+else
+  python3 ci/bench/bench_build.py --repeats 1 --cold 0 --out docs/benchmarks/build.json
+fi

@@ -1,0 +1,336 @@
+"""Block-pool hot path, patched vs unpatched vLLM, each tree in its own process.
+
+Workloads (all on a bare ``vllm.v1.core.block_pool.BlockPool``):
+
+a_upstream    upstream ``benchmarks/benchmark_block_pool.py``: for each
+              allocation size (10, 50, 100, 500, 1000 blocks) a fresh pool of
+              100,000 blocks with caching on, ``num_iteration`` rounds of
+              ``get_new_blocks(n)`` + ``free_blocks``; no hashes, no events.
+              Timed like upstream's ``TimeCollector`` (each call); the figure
+              is the sum of all get+free call times.
+b_churn       hashed caching with eviction churn, KV events on: random prompts
+              through prefix lookup / ``get_new_blocks`` / ``cache_full_blocks``
+              / ``free_blocks``, ``take_events()`` drained after every request.
+c_duplicates  as b, but requests repeat a few block-aligned prompts, so a key
+              gets many physical copies (the recomputed last block).
+
+b and c figures per repeat are the best of ``PASSES`` passes (fresh pool
+each), to damp interference from other jobs on a shared machine; a_upstream is
+one pass (the sum over its 5,000 timed get/free pairs), as upstream runs it.
+
+Protocol: the driver starts one worker process per tree (the ~10 s vLLM
+import is paid once per process), then alternates them ABAB...:
+repeat ``r`` of
+the patched tree, then repeat ``r`` of the unpatched tree (the order within
+a pair flips every repeat).  Each repeat runs every workload once in a fresh
+pool (the patched tree once per policy, the policy order rotating); requests
+and their block hashes are built once per worker, outside the timed region.
+
+By default every repeat runs in a fresh pair of worker processes
+(``--repeats-per-process 1``): a process carries a bias of its own (memory
+layout...) that repeats inside it cannot average out.
+
+Reported: the median over repeats per tree/workload/policy, the ratio of
+medians patched/unpatched, and the spread of running the same version twice:
+the repeats split in time order into a first and a second half (separate
+processes unless several repeats share one), the median of each half, their
+ratio, and the patched/unpatched ratio computed from each half alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import benchlib as bl
+
+UPSTREAM_SIZES = (10, 50, 100, 500, 1000)
+# b/c: each repeat's figure is the best of this many passes (fresh pool each).
+PASSES = 3
+
+
+# --------------------------------------------------------------------------
+# worker
+# --------------------------------------------------------------------------
+
+
+def time_upstream(num_gpu_blocks: int, num_iteration: int) -> dict[str, float]:
+    get_ns = 0
+    free_ns = 0
+    calls = 0
+    clock = time.perf_counter_ns
+    for n in UPSTREAM_SIZES:
+        gc.collect()  # as upstream: collect ahead of each size
+        pool = bl.make_pool(num_gpu_blocks, events=False, policy=None)
+        for _ in range(num_iteration):
+            t0 = clock()
+            blocks = pool.get_new_blocks(n)
+            t1 = clock()
+            pool.free_blocks(blocks)
+            t2 = clock()
+            get_ns += t1 - t0
+            free_ns += t2 - t1
+            calls += 1
+    return {
+        "seconds": (get_ns + free_ns) / 1e9,
+        "get_avg_us": get_ns / calls / 1e3,
+        "free_avg_us": free_ns / calls / 1e3,
+    }
+
+
+def time_hashed(
+    wl: bl.PoolWorkload, requests: list[Any], policy: str | None, passes: int = 1
+) -> float:
+    """Best of ``passes`` runs, each in a fresh pool (seconds)."""
+    best = float("inf")
+    for _ in range(passes):
+        gc.collect()
+        pool = bl.make_pool(wl.num_blocks, events=True, policy=policy)
+        t0 = time.perf_counter()
+        bl.run_pool_workload(pool, requests, wl.concurrency)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class BlockPoolWorker:
+    def __init__(
+        self, num_requests: int, num_gpu_blocks: int, num_iteration: int, passes: int
+    ):
+        self.passes = passes
+        self.policies: list[str | None] = (
+            list(bl.POLICIES) if bl.has_copy_semantics() else [None]
+        )
+        hasher = bl.make_hasher()
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_iteration = num_iteration
+        self.workloads = [
+            bl.workload_churn(num_requests),
+            # (c) is cheaper per request (mostly prefix hits): more requests.
+            bl.workload_duplicates(4 * num_requests),
+        ]
+        self.requests = {
+            wl.name: bl.build_requests(wl, hasher) for wl in self.workloads
+        }
+        # One untimed pass of everything (allocator, caches, lazy imports).
+        time_upstream(min(num_gpu_blocks, 10000), min(num_iteration, 100))
+        for wl in self.workloads:
+            for policy in self.policies:
+                time_hashed(wl, self.requests[wl.name], policy)
+
+    def run(self, command: dict[str, Any]) -> dict[str, Any]:
+        rep = int(command["repeat"])
+        out: dict[str, Any] = {"repeat": rep, "times": {}}
+        up = time_upstream(self.num_gpu_blocks, self.num_iteration)
+        out["times"]["a_upstream"] = {"-": up["seconds"]}
+        out["upstream_detail"] = up
+        k = rep % len(self.policies)
+        order = self.policies[k:] + self.policies[:k]
+        for wl in self.workloads:
+            per: dict[str, float] = {}
+            for policy in order:
+                label = policy if policy is not None else bl.UPSTREAM
+                per[label] = time_hashed(
+                    wl, self.requests[wl.name], policy, self.passes
+                )
+            out["times"][wl.name] = per
+        return out
+
+
+def make_handler(argv: list[str]) -> Any:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree")
+    ap.add_argument("--num-requests", type=int, required=True)
+    ap.add_argument("--num-gpu-blocks", type=int, required=True)
+    ap.add_argument("--num-iteration", type=int, required=True)
+    ap.add_argument("--passes", type=int, required=True)
+    a = ap.parse_args(argv)
+    w = BlockPoolWorker(a.num_requests, a.num_gpu_blocks, a.num_iteration, a.passes)
+    return w.run
+
+
+def worker_main(argv: list[str]) -> None:
+    bl.serve(argv[argv.index("--tree") + 1], make_handler(argv))
+
+
+# --------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------
+
+
+def summarize(
+    runs: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Medians, half-splits and patched/unpatched ratios."""
+    rows: list[dict[str, Any]] = []
+    series: dict[tuple[str, str, str], list[float]] = {}
+    for tree, reps in runs.items():
+        for rep in reps:
+            for wl, per in rep["times"].items():
+                for policy, sec in per.items():
+                    series.setdefault((tree, wl, policy), []).append(float(sec))
+    for (tree, wl, policy), xs in sorted(series.items()):
+        h = len(xs) // 2
+        first, second = xs[:h] or xs, xs[h:]
+        m1, m2 = bl.median(first), bl.median(second)
+        med = bl.median(xs)
+        rows.append(
+            {
+                "tree": tree,
+                "workload": wl,
+                "policy": policy,
+                "n": len(xs),
+                "median_s": med,
+                "min_s": min(xs),
+                "max_s": max(xs),
+                "half1_median_s": m1,
+                "half2_median_s": m2,
+                "half_spread": abs(m1 - m2) / med if med else float("nan"),
+                "all_s": xs,
+            }
+        )
+    ratios: list[dict[str, Any]] = []
+    base = {
+        r["workload"]: r for r in rows if r["tree"] == "unpatched"
+    }  # one policy per workload on the unpatched tree
+    for r in rows:
+        if r["tree"] != "patched" or r["workload"] not in base:
+            continue
+        b = base[r["workload"]]
+        ratios.append(
+            {
+                "workload": r["workload"],
+                "policy": r["policy"],
+                "patched_median_s": r["median_s"],
+                "unpatched_median_s": b["median_s"],
+                "ratio": r["median_s"] / b["median_s"],
+                # The same ratio from each time-ordered half of the repeats.
+                "ratio_half1": r["half1_median_s"] / b["half1_median_s"],
+                "ratio_half2": r["half2_median_s"] / b["half2_median_s"],
+                # Same-version noise, as a ratio: half 2 / half 1 of each tree.
+                "patched_half_ratio": r["half2_median_s"] / r["half1_median_s"],
+                "unpatched_half_ratio": b["half2_median_s"] / b["half1_median_s"],
+            }
+        )
+    return {"rows": rows, "ratios": ratios}
+
+
+def drive(
+    python: str,
+    patched: Path,
+    unpatched: Path,
+    repeats: int,
+    quick: bool,
+    log: Any = sys.stderr,
+    shared: dict[str, bl.Worker] | None = None,
+    per_process: int = 1,
+) -> dict[str, Any]:
+    num_requests = 150 if quick else 1500
+    args = [
+        "--num-requests",
+        str(num_requests),
+        "--num-gpu-blocks",
+        str(10000 if quick else 100000),
+        "--num-iteration",
+        str(100 if quick else 1000),
+        "--passes",
+        str(1 if quick else PASSES),
+    ]
+    trees = {"patched": patched, "unpatched": unpatched}
+    t0 = time.time()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    # Generations of worker processes: ``per_process`` repeats in each pair
+    # of processes, then a fresh pair, so that the medians (and the half-split)
+    # also sample the spread between separate processes (memory layout and
+    # the like persist within a process and bias all its repeats alike).
+    # ``shared`` workers, if given, serve the first generation.  A smoke run
+    # (``quick``) keeps one generation: fewer start-ups.
+    step = repeats if quick or per_process <= 0 else per_process
+    generations = [range(i, min(i + step, repeats)) for i in range(0, repeats, step)]
+    infos: dict[str, Any] = {}
+    for gen, reps in enumerate(generations):
+        session = bl.Session(
+            "block_pool",
+            python,
+            Path(__file__).resolve(),
+            trees,
+            args,
+            shared if gen == 0 else None,
+        )
+        infos = session.infos
+        try:
+            for rep in reps:
+                order = (
+                    ["patched", "unpatched"]
+                    if rep % 2 == 0
+                    else ["unpatched", "patched"]
+                )
+                for name in order:
+                    res = session.call(name, {"cmd": "run", "repeat": rep})
+                    res["order"] = order.index(name)
+                    res["generation"] = gen
+                    runs[name].append(res)
+                print(
+                    f"[block_pool] repeat {rep + 1}/{repeats} done (process "
+                    f"generation {gen + 1})",
+                    file=log,
+                    flush=True,
+                )
+        finally:
+            session.close()
+    summary = summarize(runs)
+    return {
+        "bench": "block_pool",
+        "repeats": repeats,
+        "repeats_per_process": step,
+        "process_generations": len(generations),
+        "quick": quick,
+        "num_requests": num_requests,
+        "worker_args": args,
+        "trees": {k: str(v) for k, v in trees.items()},
+        "provenance": infos,
+        "wall_s": time.time() - t0,
+        "runs": runs,
+        **summary,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "worker":
+        worker_main(argv[1:])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--patched-tree", type=Path, required=True)
+    ap.add_argument("--unpatched-tree", type=Path, required=True)
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats-per-process", type=int, default=1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path, help="write the full result here")
+    a = ap.parse_args(argv)
+    res = drive(
+        a.python,
+        a.patched_tree,
+        a.unpatched_tree,
+        a.repeats,
+        a.quick,
+        per_process=a.repeats_per_process,
+    )
+    for r in res["ratios"]:
+        print(
+            f"{r['workload']:<13} {r['policy']:<10} ratio={r['ratio']:.3f} "
+            f"(patched {r['patched_median_s']:.4f}s / "
+            f"unpatched {r['unpatched_median_s']:.4f}s)"
+        )
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

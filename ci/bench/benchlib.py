@@ -1,0 +1,493 @@
+"""Shared helpers for the KV-event benchmarks (stdlib + numpy; vLLM in workers).
+
+Two sides use this module:
+
+* the *driver* side (``run_all.py`` and each bench's ``drive``): no vLLM
+  import; it launches worker processes with ``PYTHONPATH=<tree>`` and talks to
+  them over stdin/stdout with JSON lines prefixed by ``RESULT_PREFIX``;
+* the *worker* side (``worker_*`` functions of each bench, run inside one
+  tree's process): imports vLLM from the tree named on its command line,
+  checks that ``vllm.v1.core.block_pool`` really comes from that tree, and
+  builds requests and block pools the way upstream's tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 16
+POLICIES: tuple[str, ...] = ("logical", "last_copy", "physical")
+RESULT_PREFIX = "@@RESULT@@ "
+# Label of the unpatched tree (it has no copy_semantics switch).
+UPSTREAM = "upstream"
+
+
+# --------------------------------------------------------------------------
+# driver side
+# --------------------------------------------------------------------------
+
+
+def worker_env(tree: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tree)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env.setdefault("PYTHONHASHSEED", "0")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+class Worker:
+    """A long-lived worker process bound to one tree (line protocol)."""
+
+    def __init__(self, python: str, script: Path, tree: Path, args: list[str]) -> None:
+        self.tree = tree
+        # cwd outside every tree, so nothing shadows PYTHONPATH.
+        self._cwd = tempfile.mkdtemp(prefix="kvbench-")
+        self.proc = subprocess.Popen(
+            [python, str(script), "worker", "--tree", str(tree), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=self._cwd,
+            env=worker_env(tree),
+        )
+
+    def _read_result(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_PREFIX):
+                result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
+                return result
+        err = self.proc.stderr.read() if self.proc.stderr else ""
+        raise RuntimeError(f"worker for {self.tree} died:\n{err[-4000:]}")
+
+    def hello(self) -> dict[str, Any]:
+        """The worker's first line: where vLLM was imported from."""
+        self.info = self._read_result()
+        return self.info
+
+    def call(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read_result()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self._cwd, ignore_errors=True)
+
+
+def start_workers(
+    python: str, script: Path, trees: dict[str, Path], args: list[str]
+) -> tuple[dict[str, Worker], dict[str, dict[str, Any]]]:
+    """Start one worker per tree (imports run in parallel); check provenance."""
+    workers = {name: Worker(python, script, tree, args) for name, tree in trees.items()}
+    infos: dict[str, dict[str, Any]] = {}
+    try:
+        for name, w in workers.items():
+            info = w.hello()
+            if not info.get("inside_tree"):
+                raise RuntimeError(
+                    f"{name}: vllm.v1.core.block_pool imported from "
+                    f"{info.get('block_pool_file')}, not inside {trees[name]}"
+                )
+            infos[name] = info
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+    return workers, infos
+
+
+class Session:
+    """One bench's workers: its own (closed by ``close``) or shared ones.
+
+    Shared workers (``run_all.py`` starts one per tree for all benches) get
+    each command tagged with the bench's name and worker arguments.
+    """
+
+    def __init__(
+        self,
+        bench: str,
+        python: str,
+        script: Path,
+        trees: dict[str, Path],
+        args: list[str],
+        shared: dict[str, Worker] | None = None,
+    ) -> None:
+        self.bench = bench
+        self.args = args
+        self.own = shared is None
+        if shared is None:
+            self.workers, self.infos = start_workers(python, script, trees, args)
+        else:
+            self.workers = shared
+            self.infos = {name: w.info for name, w in shared.items()}
+
+    def call(self, name: str, command: dict[str, Any]) -> dict[str, Any]:
+        return self.workers[name].call(
+            {**command, "bench": self.bench, "args": self.args}
+        )
+
+    def close(self) -> None:
+        if self.own:
+            for w in self.workers.values():
+                w.close()
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Worker side: send one result line to the driver."""
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def serve(tree: str, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Worker main loop: provenance line, then one result per command line."""
+    emit(provenance(tree))
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("cmd") == "quit":
+            return
+        emit(handler(command))
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        return float("nan")
+    mid = n // 2
+    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+# --------------------------------------------------------------------------
+# worker side (imports vLLM lazily)
+# --------------------------------------------------------------------------
+
+
+def provenance(tree: str) -> dict[str, Any]:
+    import vllm
+    import vllm.v1.core.block_pool as bp
+
+    root = os.path.realpath(tree)
+    f = os.path.realpath(bp.__file__)
+    return {
+        "tree": root,
+        "block_pool_file": f,
+        "inside_tree": f.startswith(root + os.sep),
+        "vllm_version": getattr(vllm, "__version__", "?"),
+        "has_copy_semantics": has_copy_semantics(),
+        "python": sys.version.split()[0],
+    }
+
+
+def has_copy_semantics() -> bool:
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    return "kv_events_copy_semantics" in inspect.signature(BlockPool).parameters
+
+
+def make_hasher(block_size: int = BLOCK_SIZE) -> Callable[[Any], Any]:
+    """vLLM's own request block hasher (as EngineCore builds it)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")  # CacheConfig's default algorithm
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+def make_request(
+    req_id: str,
+    prompt: Sequence[int],
+    hasher: Callable[[Any], Any],
+    max_tokens: int = 17,
+) -> Any:
+    """Like upstream's ``tests/v1/core/test_prefix_caching.py::make_request``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, eos_token_id=100)
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=[int(t) for t in prompt],
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=hasher,
+    )
+
+
+def make_pool(
+    num_blocks: int, events: bool, policy: str | None, block_size: int = BLOCK_SIZE
+) -> Any:
+    """A BlockPool; ``policy=None`` leaves the copy-semantics kwarg out."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    kwargs: dict[str, Any] = {}
+    if policy is not None:
+        kwargs["kv_events_copy_semantics"] = policy
+    return BlockPool(
+        num_gpu_blocks=num_blocks,
+        enable_caching=True,
+        hash_block_size=block_size,
+        enable_kv_cache_events=events,
+        **kwargs,
+    )
+
+
+# --------------------------------------------------------------------------
+# hashed workloads on a bare BlockPool (b: churn, c: duplicates)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolWorkload:
+    name: str
+    num_blocks: int  # pool size
+    concurrency: int  # requests holding their blocks at once
+    prompts: list[list[int]]
+
+
+def workload_churn(num_requests: int, seed: int = 1) -> PoolWorkload:
+    """(b) random prompts (4-32 full blocks plus a partial tail), small pool."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(num_requests):
+        n = int(rng.integers(4, 33)) * BLOCK_SIZE + int(rng.integers(0, BLOCK_SIZE))
+        prompts.append(rng.integers(1000, 32000, size=n).tolist())
+    return PoolWorkload("b_churn", num_blocks=1024, concurrency=8, prompts=prompts)
+
+
+def workload_duplicates(num_requests: int, seed: int = 2) -> PoolWorkload:
+    """(c) requests repeating a few block-aligned prompts (skewed popularity).
+
+    Each repeat hits all but the last block (the last prompt token is always
+    recomputed) and caches a new physical copy of the last block's key.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    families = [
+        rng.integers(1000, 32000, size=int(rng.integers(4, 17)) * BLOCK_SIZE).tolist()
+        for _ in range(24)
+    ]
+    weights = 1.0 / np.arange(1, len(families) + 1)
+    weights /= weights.sum()
+    picks = rng.choice(len(families), size=num_requests, p=weights)
+    prompts = [families[int(i)] for i in picks]
+    return PoolWorkload("c_duplicates", num_blocks=384, concurrency=16, prompts=prompts)
+
+
+def build_requests(wl: PoolWorkload, hasher: Callable[[Any], Any]) -> list[Any]:
+    return [make_request(f"{wl.name}-{i}", p, hasher) for i, p in enumerate(wl.prompts)]
+
+
+def run_pool_workload(
+    pool: Any,
+    requests: Iterable[Any],
+    concurrency: int,
+    on_batch: Callable[[list[Any]], None] | None = None,
+    on_op: Callable[[], None] | None = None,
+) -> int:
+    """Serve requests the way KVCacheManager drives the pool (one group).
+
+    Per request: prefix lookup (capped at num_tokens - 1, as the manager does),
+    ``touch`` the hits, ``get_new_blocks`` for the rest (evicting cached
+    blocks), ``cache_full_blocks`` for the new full blocks, then drain
+    ``take_events()`` (one batch per request, like one scheduler step).  At
+    most ``concurrency`` requests hold blocks; the oldest is freed first
+    (blocks in reverse order, as the manager frees them).  Returns the number
+    of blocks allocated.
+    """
+    bs = BLOCK_SIZE
+    active: deque[list[Any]] = deque()
+    allocated = 0
+    for req in requests:
+        hashes = req.block_hashes
+        max_hit = (req.num_tokens - 1) // bs
+        hits: list[Any] = []
+        for h in hashes[:max_hit]:
+            got = pool.get_cached_block(h, [0])
+            if got is None:
+                break
+            hits.append(got[0])
+        pool.touch(hits)
+        need = -(-req.num_tokens // bs) - len(hits)
+        while pool.get_num_free_blocks() < need and active:
+            pool.free_blocks(reversed(active.popleft()))
+        new = pool.get_new_blocks(need)
+        allocated += need
+        if on_op is not None:
+            on_op()
+        blocks = hits + new
+        pool.cache_full_blocks(req, blocks, len(hits), len(hashes), bs, 0)
+        if on_op is not None:
+            on_op()
+        active.append(blocks)
+        if len(active) > concurrency:
+            pool.free_blocks(reversed(active.popleft()))
+        events = pool.take_events()
+        if on_batch is not None:
+            on_batch(events)
+    while active:
+        pool.free_blocks(reversed(active.popleft()))
+    return allocated
+
+
+def resident_keys(pool: Any) -> set[Any]:
+    """Keys ``(hash, group)`` with at least one resident copy in ``pool``."""
+    return set(pool.cached_block_hash_to_block._cache.keys())
+
+
+def external_key(key: Any) -> tuple[Any, int]:
+    """A pool key as a router sees it in events: (external hash, group)."""
+    from vllm.v1.core.kv_cache_utils import (
+        get_block_hash,
+        get_group_id,
+        maybe_convert_block_hash,
+    )
+
+    return (maybe_convert_block_hash(get_block_hash(key)), get_group_id(key))
+
+
+# --------------------------------------------------------------------------
+# router mirrors
+# --------------------------------------------------------------------------
+
+
+class SetMirror:
+    """AIBrix-style router view: store=add, remove=discard, clear=clear."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[Any, int | None]] = set()
+        self.orphan_removals = 0
+
+    def apply(self, event: Any) -> None:
+        kind = type(event).__name__
+        if kind == "BlockStored":
+            for h in event.block_hashes:
+                self.keys.add((h, event.group_idx))
+        elif kind == "BlockRemoved":
+            for h in event.block_hashes:
+                k = (h, event.group_idx)
+                if k in self.keys:
+                    self.keys.discard(k)
+                else:
+                    self.orphan_removals += 1
+        elif kind == "AllBlocksCleared":
+            self.keys.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def key_set(self) -> set[tuple[Any, int | None]]:
+        return set(self.keys)
+
+
+class CountMirror:
+    """Dynamo/llm-d-style filter: +1 per stored hash, -1 per removal, 0 drops."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[Any, int | None], int] = {}
+        self.orphan_removals = 0
+
+    def apply(self, event: Any) -> None:
+        kind = type(event).__name__
+        if kind == "BlockStored":
+            for h in event.block_hashes:
+                k = (h, event.group_idx)
+                self.counts[k] = self.counts.get(k, 0) + 1
+        elif kind == "BlockRemoved":
+            for h in event.block_hashes:
+                k = (h, event.group_idx)
+                c = self.counts.get(k, 0)
+                if c <= 1:
+                    if c == 0:
+                        self.orphan_removals += 1
+                    self.counts.pop(k, None)
+                else:
+                    self.counts[k] = c - 1
+        elif kind == "AllBlocksCleared":
+            self.counts.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.counts
+
+    def key_set(self) -> set[tuple[Any, int | None]]:
+        return set(self.counts)
+
+
+def prefix_len(keys: Sequence[tuple[Any, int]], contains: Callable[[Any], bool]) -> int:
+    n = 0
+    for k in keys:
+        if not contains(k):
+            break
+        n += 1
+    return n
+
+
+def event_counts(events: Iterable[Any]) -> dict[str, int]:
+    c = {
+        "stored_events": 0,
+        "stored_hashes": 0,
+        "removed_events": 0,
+        "removed_hashes": 0,
+        "cleared_events": 0,
+    }
+    for ev in events:
+        kind = type(ev).__name__
+        if kind == "BlockStored":
+            c["stored_events"] += 1
+            c["stored_hashes"] += len(ev.block_hashes)
+        elif kind == "BlockRemoved":
+            c["removed_events"] += 1
+            c["removed_hashes"] += len(ev.block_hashes)
+        elif kind == "AllBlocksCleared":
+            c["cleared_events"] += 1
+    return c
+
+
+class WireCounter:
+    """Bytes as ZmqEventPublisher sends them: (topic, 8-byte seq, msgpack)."""
+
+    def __init__(self, topic: str = "") -> None:
+        import msgspec
+
+        self._enc = msgspec.msgpack.Encoder()
+        self.topic_len = len(topic.encode("utf-8"))
+        self.messages = 0
+        self.payload_bytes = 0
+        self.frame_bytes = 0
+
+    def add_batch(self, batch: Any) -> None:
+        payload = self._enc.encode(batch)
+        self.messages += 1
+        self.payload_bytes += len(payload)
+        self.frame_bytes += self.topic_len + 8 + len(payload)

@@ -1,0 +1,517 @@
+"""Run the KV-event benchmarks (block pool, event volume, router accuracy).
+
+One command: each bench starts one worker process per tree (patched and
+unpatched vLLM source trees, ``PYTHONPATH=<tree>``, the given Python), the
+results go to ``<out>/*.json``, and ``<out>/benchmarks.md`` gets Markdown
+tables plus PNG plots (matplotlib, when the driver's Python has it).
+
+    python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR
+    python run_all.py ... --quick      # smoke run: tiny workloads, 2 repeats
+
+Every figure in the report comes from this run; none is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_block_pool
+import bench_events
+import bench_router
+import benchlib as bl
+
+RATIO_GOAL = 1.02
+GOAL_BELOW_ONE = ("c_duplicates", "logical")
+
+
+def machine_line() -> str:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return (
+        f"{platform.node()} ({platform.system()} {platform.release()}, "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f})"
+    )
+
+
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.2f}"
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def goal_of(workload: str, policy: str) -> tuple[str, Any]:
+    if (workload, policy) == GOAL_BELOW_ONE:
+        return "< 1.00", lambda r: r < 1.0
+    return f"<= {RATIO_GOAL:.2f}", lambda r: r <= RATIO_GOAL
+
+
+# --------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------
+
+
+def passes_of(bp: dict[str, Any]) -> str:
+    args = bp.get("worker_args", [])
+    return args[args.index("--passes") + 1] if "--passes" in args else "1"
+
+
+def block_pool_section(bp: dict[str, Any]) -> list[str]:
+    rows = {(r["tree"], r["workload"], r["policy"]): r for r in bp["rows"]}
+    out = [
+        "## 1. Block-pool hot path, patched / unpatched",
+        "",
+        (
+            f"{bp['repeats']} repeats per tree, workers alternated ABAB (order "
+            "flipped every repeat); "
+            f"{bp.get('repeats_per_process', 1)} repeat(s) per pair of worker "
+            f"processes, {bp.get('process_generations', 1)} pair(s) started in "
+            "all. "
+            "Times are the median over repeats, in ms (b and c: each repeat's "
+            f"figure is the best of {passes_of(bp)} passes in fresh pools). "
+            "Same-version spread: the "
+            "repeats of each tree split in time order into a first and a second "
+            "half; *halves* is the median of each half, *h2/h1* "
+            "their ratio, *ratio half 1 / 2* the patched/unpatched ratio from "
+            "each half alone."
+        ),
+        "",
+        (
+            "| workload | policy | patched ms | unpatched ms | ratio "
+            "| ratio half 1 / 2 | goal | met "
+            "| patched halves | patched h2/h1 | unpatched halves | unpatched h2/h1 |"
+        ),
+        "|---|---|---:|---:|---:|---|---|---|---|---:|---|---:|",
+    ]
+    for r in bp["ratios"]:
+        p = rows[("patched", r["workload"], r["policy"])]
+        u = next(
+            v
+            for (t, w, _), v in rows.items()
+            if t == "unpatched" and w == r["workload"]
+        )
+        goal, ok = goal_of(r["workload"], r["policy"])
+        out.append(
+            f"| {r['workload']} | {r['policy']} | {fmt_ms(r['patched_median_s'])} "
+            f"| {fmt_ms(r['unpatched_median_s'])} | {r['ratio']:.3f} "
+            f"| {r['ratio_half1']:.3f} / {r['ratio_half2']:.3f} | {goal} "
+            f"| {'yes' if ok(r['ratio']) else 'no'} "
+            f"| {fmt_ms(p['half1_median_s'])} / {fmt_ms(p['half2_median_s'])} "
+            f"| {r['patched_half_ratio']:.3f} "
+            f"| {fmt_ms(u['half1_median_s'])} / {fmt_ms(u['half2_median_s'])} "
+            f"| {r['unpatched_half_ratio']:.3f} |"
+        )
+    out += [
+        "",
+        "Min - max over repeats (ms):",
+        "",
+        "| tree | workload | policy | min | median | max |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in bp["rows"]:
+        out.append(
+            f"| {r['tree']} | {r['workload']} | {r['policy']} | {fmt_ms(r['min_s'])} "
+            f"| {fmt_ms(r['median_s'])} | {fmt_ms(r['max_s'])} |"
+        )
+    det: dict[str, list[dict[str, float]]] = {}
+    for tree, reps in bp["runs"].items():
+        det[tree] = [rep["upstream_detail"] for rep in reps]
+    out += [
+        "",
+        (
+            "a_upstream per call (median over repeats of the per-repeat averages, "
+            "as upstream's benchmark prints them):"
+        ),
+        "",
+        "| tree | get_new_blocks avg us | free_blocks avg us |",
+        "|---|---:|---:|",
+    ]
+    for tree, ds in det.items():
+        g = bench_block_pool.bl.median([d["get_avg_us"] for d in ds])
+        f = bench_block_pool.bl.median([d["free_avg_us"] for d in ds])
+        out.append(f"| {tree} | {g:.3f} | {f:.3f} |")
+    out += ["", "![block-pool ratios](block_pool_ratios.png)", ""]
+    return out
+
+
+def events_section(ev: dict[str, Any]) -> list[str]:
+    out = [
+        "## 2. Event volume per workload and policy",
+        "",
+        (
+            "One `KVEventBatch` per drained step, encoded with msgspec's msgpack "
+            "encoder as `ZmqEventPublisher` does; *bytes* = topic + 8-byte "
+            "sequence + payload per message. *min* = keys appearing / disappearing "
+            "in the pool's own index (one store and one removal per key "
+            "lifetime). *end mirrors*: stale/missing keys of the set and counting "
+            "mirrors against the pool's resident keys after the run."
+        ),
+        "",
+        (
+            "| workload | tree | policy | BlockStored ev | stored hashes | min stores "
+            "| stored/min | BlockRemoved ev | removed hashes | min removals "
+            "| removed/min | messages | bytes | bytes vs logical | end mirrors "
+            "set s/m, count s/m |"
+        ),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(ev["rows"], key=lambda r: (r["workload"], r["tree"])):
+        mc = r["mirror_check_at_end"]
+        out.append(
+            f"| {r['workload']} | {r['tree']} | {r['policy']} | {r['stored_events']} "
+            f"| {r['stored_hashes']} | {r['min_stores']} | {r['stored_vs_min']:.2f} "
+            f"| {r['removed_events']} | {r['removed_hashes']} | {r['min_removals']} "
+            f"| {r['removed_vs_min']:.2f} | {r['messages']} | {r['frame_bytes']} "
+            f"| {r['bytes_vs_logical']:.2f} "
+            f"| {mc['set']['stale']}/{mc['set']['missing']}, "
+            f"{mc['count']['stale']}/{mc['count']['missing']} |"
+        )
+    out += ["", "![event volume](events_per_policy.png)", ""]
+    return out
+
+
+def router_runs(rt: dict[str, Any]) -> list[tuple[str, str, str, Any]]:
+    """(tree, trace, policy, result) for every router run, trace-major."""
+    runs = [
+        (tree, trace, policy, r)
+        for tree, per_trace in rt["results"].items()
+        for trace, per_policy in per_trace.items()
+        for policy, r in per_policy.items()
+    ]
+    return sorted(runs, key=lambda x: x[1])
+
+
+def router_section(rt: dict[str, Any]) -> list[str]:
+    out = [
+        "## 3. Router accuracy (real v1 Scheduler, made-up model outputs)",
+        "",
+        (
+            f"{rt['num_requests']} requests per trace, {rt['num_gpu_blocks']} GPU "
+            "blocks of 16 tokens. Traces: *chat* (shared system prompts, canned "
+            "block-aligned questions repeated exactly, follow-up turns extending "
+            "them, random turns) and *families* (random block-aligned prefixes of "
+            "6 long prompts: the seed's A = H1..H3 / B = H1..H7 pattern). "
+            "*vs engine*: mirror score (capped at num_tokens - 1 like the "
+            "engine) against `KVCacheManager.get_computed_blocks`; *vs index*: "
+            "uncapped mirror score against the longest prefix in the pool's index. "
+            "over/under: requests the mirror scores higher/lower than the engine."
+        ),
+        "",
+        (
+            "| trace | tree | policy | mirror | exact vs engine | MAE blocks "
+            "| over | under | max err | exact vs index | MAE vs index |"
+        ),
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tree, trace, policy, r in router_runs(rt):
+        for mirror in ("set", "count"):
+            e = r["scores"][f"{mirror}_vs_engine"]
+            i = r["scores"][f"{mirror}_vs_index"]
+            out.append(
+                f"| {trace} | {tree} | {policy} | {mirror} "
+                f"| {pct(e['exact_rate'])} "
+                f"| {e['mae_blocks']:.3f} | {e['over']} | {e['under']} "
+                f"| {e['max_abs']} | {pct(i['exact_rate'])} "
+                f"| {i['mae_blocks']:.3f} |"
+            )
+    out += [
+        "",
+        "Trace and event stream per run:",
+        "",
+        (
+            "| trace | tree | policy | max seqs | requests | steps "
+            "| requests with a hit | mean hit blocks | stored hashes "
+            "| removed hashes | messages | bytes "
+            "| events pending at arrival | end: set stale/missing/orphan rm "
+            "| end: count stale/missing/orphan rm |"
+        ),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for tree, trace, policy, r in router_runs(rt):
+        ev = r["events"]
+        s, c = r["end_check"]["set"], r["end_check"]["count"]
+        out.append(
+            f"| {trace} | {tree} | {policy} | {r['max_num_seqs']} "
+            f"| {r['requests']} | {r['steps']} "
+            f"| {r['requests_with_hit']} | {r['mean_engine_hit_blocks']:.2f} "
+            f"| {ev['stored_hashes']} | {ev['removed_hashes']} "
+            f"| {ev['messages']} | {ev['frame_bytes']} "
+            f"| {r['pending_events_at_arrival']} "
+            f"| {s['stale']}/{s['missing']}/{s['orphan_removals']} "
+            f"| {c['stale']}/{c['missing']}/{c['orphan_removals']} |"
+        )
+    out += ["", "![router exact-match rate](router_exact.png)", ""]
+    return out
+
+
+def git_state(tree: str) -> str:
+    try:
+        head = subprocess.run(
+            ["git", "-C", tree, "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return f"git {head}" + (" with uncommitted changes" if dirty else "")
+
+
+def provenance_lines(
+    results: dict[str, Any], git_before: dict[str, str], git_after: dict[str, str]
+) -> list[str]:
+    out = ["## Provenance", ""]
+    seen: set[tuple[str, str]] = set()
+    for res in results.values():
+        for name, info in res["provenance"].items():
+            key = (name, info["block_pool_file"])
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(
+                f"- {name}: `vllm.v1.core.block_pool` from "
+                f"`{info['block_pool_file']}` (vLLM {info['vllm_version']}, "
+                f"Python {info['python']}, copy_semantics switch: "
+                f"{'yes' if info['has_copy_semantics'] else 'no'}; tree at start: "
+                f"{git_before[name]}"
+                + (
+                    ""
+                    if git_after[name] == git_before[name]
+                    else f"; CHANGED during the run, at the end: {git_after[name]}"
+                )
+                + ")"
+            )
+    out += [
+        "- wall time per bench (block_pool includes the workers' start-up, "
+        "vLLM import and warm-up): "
+        + ", ".join(f"{k} {v['wall_s']:.0f} s" for k, v in results.items()),
+        "",
+    ]
+    return out
+
+
+# --------------------------------------------------------------------------
+# plots
+# --------------------------------------------------------------------------
+
+
+def make_plots(results: dict[str, Any], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["(plots skipped: matplotlib is not installed in the driver Python)"]
+    written: list[str] = []
+
+    bp = results["block_pool"]
+    labels = [f"{r['workload']}\n{r['policy']}" for r in bp["ratios"]]
+    vals = [r["ratio"] for r in bp["ratios"]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    lo = [
+        v - min(r["ratio_half1"], r["ratio_half2"])
+        for v, r in zip(vals, bp["ratios"], strict=True)
+    ]
+    hi = [
+        max(r["ratio_half1"], r["ratio_half2"]) - v
+        for v, r in zip(vals, bp["ratios"], strict=True)
+    ]
+    ax.bar(
+        range(len(vals)),
+        vals,
+        color="tab:blue",
+        yerr=[[max(0.0, x) for x in lo], [max(0.0, x) for x in hi]],
+        capsize=4,
+        ecolor="black",
+    )
+    ax.axhline(RATIO_GOAL, color="tab:red", ls="--", lw=1, label="goal 1.02")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(vals)), labels, fontsize=8)
+    ax.set_ylabel("median patched / median unpatched")
+    ax.set_title(
+        f"Block-pool hot path ({bp['repeats']} repeats; whiskers: the ratio "
+        "from each half of the repeats)"
+    )
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "block_pool_ratios.png", dpi=110)
+    plt.close(fig)
+    written.append("block_pool_ratios.png")
+
+    ev = results["events"]
+    wls = sorted({r["workload"] for r in ev["rows"]})
+    fig, axes = plt.subplots(1, len(wls), figsize=(5 * len(wls), 4), squeeze=False)
+    for ax, wl in zip(axes[0], wls, strict=True):
+        rs = [r for r in ev["rows"] if r["workload"] == wl]
+        names = [f"{r['tree'][0]}:{r['policy']}" for r in rs] + ["minimum"]
+        stored = [r["stored_hashes"] for r in rs] + [rs[0]["min_stores"]]
+        removed = [r["removed_hashes"] for r in rs] + [rs[0]["min_removals"]]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], stored, 0.4, label="stored hashes")
+        ax.bar([i + 0.2 for i in x], removed, 0.4, label="removed hashes")
+        ax.set_xticks(list(x), names, fontsize=8, rotation=20)
+        ax.set_title(wl)
+        ax.legend(fontsize=8)
+    fig.suptitle("KV-event volume per policy (p: patched, u: unpatched)")
+    fig.tight_layout()
+    fig.savefig(out / "events_per_policy.png", dpi=110)
+    plt.close(fig)
+    written.append("events_per_policy.png")
+
+    rt = results["router"]
+    runs = [(f"{tr}\n{t[0]}:{p}", r) for t, tr, p, r in router_runs(rt)]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    x = range(len(runs))
+    for k, mirror in enumerate(("set", "count")):
+        vals = [100 * r["scores"][f"{mirror}_vs_engine"]["exact_rate"] for _, r in runs]
+        ax.bar([i - 0.2 + 0.4 * k for i in x], vals, 0.4, label=f"{mirror} mirror")
+        for i, v in zip(x, vals, strict=True):
+            ax.text(
+                i - 0.2 + 0.4 * k, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8
+            )
+    ax.set_xticks(list(x), [label for label, _ in runs], fontsize=7)
+    ax.set_ylabel("% requests scored exactly")
+    ax.set_ylim(0, 115)
+    ax.set_title("Router prefix score vs engine's hit (p: patched, u: unpatched)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(out / "router_exact.png", dpi=110)
+    plt.close(fig)
+    written.append("router_exact.png")
+    return written
+
+
+# --------------------------------------------------------------------------
+
+
+BENCHES: dict[str, Any] = {
+    "block_pool": bench_block_pool,
+    "events": bench_events,
+    "router": bench_router,
+}
+
+
+def worker_main(argv: list[str]) -> None:
+    """A worker serving every bench; handlers built on first use."""
+    tree = argv[argv.index("--tree") + 1]
+    handlers: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def handle(command: dict[str, Any]) -> dict[str, Any]:
+        key = (command["bench"], tuple(command["args"]))
+        if key not in handlers:
+            handlers[key] = BENCHES[key[0]].make_handler(list(key[1]))
+        result: dict[str, Any] = handlers[key](command)
+        return result
+
+    bl.serve(tree, handle)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "worker":
+        worker_main(argv[1:])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--patched-tree", type=Path, required=True)
+    ap.add_argument("--unpatched-tree", type=Path, required=True)
+    ap.add_argument("--python", required=True, help="interpreter for the workers")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--repeats-per-process",
+        type=int,
+        default=1,
+        help="block-pool repeats per pair of worker processes (1: fresh each)",
+    )
+    ap.add_argument("--quick", action="store_true", help="smoke run")
+    ap.add_argument("--model-dir", type=Path, default=bench_router.DEFAULT_MODEL_DIR)
+    a = ap.parse_args(argv)
+    repeats = 2 if a.quick else a.repeats
+    a.out.mkdir(parents=True, exist_ok=True)
+    patched, unpatched = a.patched_tree.resolve(), a.unpatched_tree.resolve()
+    started = dt.datetime.now(dt.UTC)
+    tree_paths = {"patched": patched, "unpatched": unpatched}
+    git_before = {n: git_state(str(t)) for n, t in tree_paths.items()}
+    machine_start = machine_line()
+    t0 = time.time()
+    results: dict[str, Any] = {}
+    # One worker per tree serves all three benches (one vLLM import each).
+    shared, _ = bl.start_workers(a.python, Path(__file__).resolve(), tree_paths, [])
+    try:
+        results["block_pool"] = bench_block_pool.drive(
+            a.python,
+            patched,
+            unpatched,
+            repeats,
+            a.quick,
+            shared=shared,
+            per_process=a.repeats_per_process,
+        )
+        results["events"] = bench_events.drive(
+            a.python, patched, unpatched, a.quick, shared=shared
+        )
+        results["router"] = bench_router.drive(
+            a.python, patched, unpatched, a.quick, a.model_dir, shared=shared
+        )
+    finally:
+        for w in shared.values():
+            w.close()
+    for name, res in results.items():
+        (a.out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    plots = make_plots(results, a.out)
+    lines = [
+        "# KV-event benchmarks" + (" (quick smoke run)" if a.quick else ""),
+        "",
+        (
+            f"Run {started:%Y-%m-%d %H:%M} UTC, {time.time() - t0:.0f} s, "
+            f"{repeats} repeats (block pool), machine {machine_start}; at the end: "
+            f"{machine_line()}."
+        ),
+        "",
+        (
+            f"Patched tree `{patched}`, unpatched tree `{unpatched}`, worker Python "
+            f"`{a.python}`."
+        ),
+        "",
+        "Command: `"
+        + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv])
+        + "`",
+        "",
+        *block_pool_section(results["block_pool"]),
+        *events_section(results["events"]),
+        *router_section(results["router"]),
+        *provenance_lines(
+            results,
+            git_before,
+            {n: git_state(str(t)) for n, t in tree_paths.items()},
+        ),
+        "Plots: " + ", ".join(plots),
+        "",
+    ]
+    (a.out / "benchmarks.md").write_text("\n".join(lines))
+    print(f"wrote {a.out / 'benchmarks.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
