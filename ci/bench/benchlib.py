@@ -55,7 +55,14 @@ class Worker:
         # cwd outside every tree, so nothing shadows PYTHONPATH.
         self._cwd = tempfile.mkdtemp(prefix="kvbench-")
         self.proc = subprocess.Popen(
-            [python, str(script), "worker", "--tree", str(tree), *args],
+            [
+                os.path.abspath(python),
+                str(script),
+                "worker",
+                "--tree",
+                str(tree),
+                *args,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -48,6 +48,14 @@ def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
     return str(layout.partial_tree)
 
 
+def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
+    """What build.sh does up to the build: a fresh tree with the series and
+    overlay in it, for looking at or running upstream's tests against."""
+    tree = Path(cmd_prepare_tree(layout, args))
+    apply.apply_series(tree, series.load_series(layout.patches))
+    return cmd_copy_overlay(layout, argparse.Namespace(tree=tree))
+
+
 def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
     source.fresh_dir(layout.pristine_tree)
@@ -217,6 +225,7 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     add("fetch-wheel", cmd_fetch_wheel, "download and verify the official wheel")
+    add("apply", cmd_apply, "build/tree: fresh upstream + series + overlay")
     add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
     add("pristine-tree", cmd_pristine_tree, "the unpatched tree, for comparisons")
     add(
