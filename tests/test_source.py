@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, make_patch, write_series
 from vllm_overlay import build, source
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
@@ -109,3 +109,23 @@ def test_from_source_without_cuda_toolkit(tmp_path: Path, monkeypatch) -> None:
         )
     assert "CUDA_HOME" in e.value.next_step
     assert not (tmp_path / "cache").exists()
+
+
+def test_apply_command_lays_the_patched_tree(checkout: Layout, submodule: Path) -> None:
+    _pin_at(checkout, _git(submodule, "rev-parse", "HEAD")[:9])
+    write_series(
+        checkout, {"0001-x.patch": make_patch("x = 1\n", "x = 2\n", path="vllm/x.py")}
+    )
+    (checkout.overlay / "tests").mkdir()
+    (checkout.overlay / "tests" / "test_new.py").write_text("pass\n")
+    result = subprocess.run(
+        [str(REPO.root / "ci" / "overlay"), "--root", str(checkout.root), "apply"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(checkout.tree)
+    assert (checkout.tree / "vllm" / "x.py").read_text() == "x = 2\n"
+    assert (checkout.tree / "tests" / "test_new.py").exists()
+    assert not checkout.partial_tree.exists()
+    assert "applied 0001-x.patch" in result.stderr
