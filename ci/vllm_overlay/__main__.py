@@ -37,15 +37,19 @@ def cmd_fetch_wheel(layout: Layout, args: argparse.Namespace) -> str:
     return str(fetch.fetch(pin.wheel, layout.downloads))
 
 
-def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
-    source.fresh_dir(layout.partial_tree)
-    source.fresh_dir(layout.tree)
+def _lay_upstream(layout: Layout, dest: Path) -> str:
+    """A fresh copy of the pinned upstream at ``dest``, saying which source."""
+    source.fresh_dir(dest)
     upstream = source.lay_scratch_tree(
-        layout.root, pin, layout.downloads, layout.partial_tree
+        layout.root, load_pin(layout.pin), layout.downloads, dest
     )
     print(f"  source: {upstream.description}", file=sys.stderr)
-    return str(layout.partial_tree)
+    return str(dest)
+
+
+def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
+    source.fresh_dir(layout.tree)
+    return _lay_upstream(layout, layout.partial_tree)
 
 
 def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
@@ -57,13 +61,7 @@ def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
-    source.fresh_dir(layout.pristine_tree)
-    upstream = source.lay_scratch_tree(
-        layout.root, pin, layout.downloads, layout.pristine_tree
-    )
-    print(f"  source: {upstream.description}", file=sys.stderr)
-    return str(layout.pristine_tree)
+    return _lay_upstream(layout, layout.pristine_tree)
 
 
 def cmd_apply_series(layout: Layout, args: argparse.Namespace) -> str:
@@ -181,9 +179,7 @@ def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
-    source.fresh_dir(layout.workspace)
-    source.lay_scratch_tree(layout.root, pin, layout.downloads, layout.workspace)
+    _lay_upstream(layout, layout.workspace)
     workspace.make_workspace(
         layout.workspace, series.load_series(layout.patches), args.upto
     )
