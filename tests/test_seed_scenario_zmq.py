@@ -60,6 +60,7 @@ _CI_DIR = str(Path(__file__).resolve().parents[1] / "ci")
 if _CI_DIR not in sys.path:
     sys.path.insert(0, _CI_DIR)
 from vllm_overlay import seed_scenario  # noqa: E402
+from vllm_overlay.cpu_scheduler import make_cpu_scheduler  # noqa: E402
 from vllm_overlay.seed_scenario import Report, Subscriber  # noqa: E402
 
 # No model hub, ever: the model config ships with the test.  Set before vLLM
@@ -111,86 +112,28 @@ def make_kv_events_config(endpoint: str, policy: str | None) -> Any:
 
 
 def make_scheduler(kv_events_config: Any) -> tuple[Scheduler, Any]:
-    """The real Scheduler as EngineCore builds it, minus the model."""
-    import torch
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    """The real Scheduler as EngineCore builds it, minus the model, and the
+    block hasher EngineCore gives its requests."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    max_model_len = 256
-    model_config = ModelConfig(
-        model=str(MODEL_DIR),
-        dtype="float16",
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=max_model_len,
-    )
-    scheduler_config = SchedulerConfig(
+    scheduler = make_cpu_scheduler(
+        str(MODEL_DIR),
+        NUM_GPU_BLOCKS,
         max_num_seqs=16,
+        max_model_len=256,
         max_num_batched_tokens=2048,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=model_config.is_encoder_decoder,
-        watermark=0.0,
-    )
-    cache_config = CacheConfig(
+        seed=0,
         block_size=BLOCK_SIZE,
+        kv_events_config=kv_events_config,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
-        enable_prefix_caching=True,
     )
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
-        cache_config=cache_config,
-        # Explicit, so no accelerator has to be detected; the scheduler and
-        # the block pool never touch a device.
-        device_config=DeviceConfig(device="cpu"),
-        kv_events_config=kv_events_config,
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_GPU_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
-    )
-    cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
-    register_all_kvcache_specs(vllm_config)
-    scheduler = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-    )
-    # Same block hasher as EngineCore uses.
+    cache_config = scheduler.vllm_config.cache_config
     hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(
-        BLOCK_SIZE, hash_fn, vllm_config.num_hash_lookahead_tokens
+        BLOCK_SIZE, hash_fn, scheduler.vllm_config.num_hash_lookahead_tokens
     )
     return scheduler, hasher
 

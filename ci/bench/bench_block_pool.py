@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +102,7 @@ class BlockPoolWorker:
         self, num_requests: int, num_gpu_blocks: int, num_iteration: int, passes: int
     ):
         self.passes = passes
-        self.policies: list[str | None] = (
-            list(bl.POLICIES) if bl.has_copy_semantics() else [None]
-        )
+        self.policies = bl.policies()
         hasher = bl.make_hasher()
         self.num_gpu_blocks = num_gpu_blocks
         self.num_iteration = num_iteration
@@ -133,8 +131,7 @@ class BlockPoolWorker:
         for wl in self.workloads:
             per: dict[str, float] = {}
             for policy in order:
-                label = policy if policy is not None else bl.UPSTREAM
-                per[label] = time_hashed(
+                per[bl.policy_label(policy)] = time_hashed(
                     wl, self.requests[wl.name], policy, self.passes
                 )
             out["times"][wl.name] = per
@@ -151,10 +148,6 @@ def make_handler(argv: list[str]) -> Any:
     a = ap.parse_args(argv)
     w = BlockPoolWorker(a.num_requests, a.num_gpu_blocks, a.num_iteration, a.passes)
     return w.run
-
-
-def worker_main(argv: list[str]) -> None:
-    bl.serve(argv[argv.index("--tree") + 1], make_handler(argv))
 
 
 # --------------------------------------------------------------------------
@@ -299,21 +292,13 @@ def drive(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "worker":
-        worker_main(argv[1:])
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--patched-tree", type=Path, required=True)
-    ap.add_argument("--unpatched-tree", type=Path, required=True)
-    ap.add_argument("--python", default=sys.executable)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--repeats-per-process", type=int, default=1)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", type=Path, help="write the full result here")
-    a = ap.parse_args(argv)
-    res = drive(
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    return drive(
         a.python,
         a.patched_tree,
         a.unpatched_tree,
@@ -321,15 +306,27 @@ def main(argv: list[str] | None = None) -> int:
         a.quick,
         per_process=a.repeats_per_process,
     )
+
+
+def summary(res: dict[str, Any]) -> Iterator[str]:
     for r in res["ratios"]:
-        print(
+        yield (
             f"{r['workload']:<13} {r['policy']:<10} ratio={r['ratio']:.3f} "
             f"(patched {r['patched_median_s']:.4f}s / "
             f"unpatched {r['unpatched_median_s']:.4f}s)"
         )
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bl.bench_main(
+        argv,
+        __doc__,
+        make_handler,
+        run,
+        summary,
+        add_args,
+        json_help="write the full result here",
+    )
 
 
 if __name__ == "__main__":

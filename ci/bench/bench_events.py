@@ -21,9 +21,9 @@ missing = the pool holds a key the mirror lacks).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +38,7 @@ def measure(wl: bl.PoolWorkload, requests: list[Any], policy: str | None) -> dic
     from vllm.distributed.kv_events import KVEventBatch
 
     pool = bl.make_pool(wl.num_blocks, events=True, policy=policy)
-    wire = bl.WireCounter()
-    counts = {
-        "stored_events": 0,
-        "stored_hashes": 0,
-        "removed_events": 0,
-        "removed_hashes": 0,
-        "cleared_events": 0,
-    }
-    mirrors = {"set": bl.SetMirror(), "count": bl.CountMirror()}
+    tap = bl.EventTap()
     state = {"prev": set(), "min_stores": 0, "min_removals": 0}
 
     def on_op() -> None:
@@ -59,40 +51,22 @@ def measure(wl: bl.PoolWorkload, requests: list[Any], policy: str | None) -> dic
     def on_batch(events: list[Any]) -> None:
         if not events:
             return  # the scheduler publishes nothing for an empty step
-        for k, v in bl.event_counts(events).items():
-            counts[k] += v
-        wire.add_batch(KVEventBatch(ts=time.time(), events=events))
-        for m in mirrors.values():
-            for ev in events:
-                m.apply(ev)
+        tap.publish(KVEventBatch(ts=time.time(), events=events))
 
     bl.run_pool_workload(pool, requests, wl.concurrency, on_batch=on_batch, on_op=on_op)
-    truth = {bl.external_key(k) for k in bl.resident_keys(pool)}
-    mirror_check = {}
-    for name, m in mirrors.items():
-        held = m.key_set()
-        mirror_check[name] = {
-            "stale": len(held - truth),
-            "missing": len(truth - held),
-            "orphan_removals": m.orphan_removals,
-        }
+    truth = bl.resident_external_keys(pool)
     return {
-        **counts,
-        "messages": wire.messages,
-        "payload_bytes": wire.payload_bytes,
-        "frame_bytes": wire.frame_bytes,
+        **tap.totals(),
         "min_stores": state["min_stores"],
         "min_removals": state["min_removals"],
         "resident_keys_at_end": len(truth),
-        "mirror_check_at_end": mirror_check,
+        "mirror_check_at_end": tap.mirror_check(truth),
     }
 
 
 class EventsWorker:
     def __init__(self, num_requests: int) -> None:
-        self.policies: list[str | None] = (
-            list(bl.POLICIES) if bl.has_copy_semantics() else [None]
-        )
+        self.policies = bl.policies()
         hasher = bl.make_hasher()
         self.workloads = [
             bl.workload_churn(num_requests),
@@ -106,8 +80,7 @@ class EventsWorker:
         out: dict[str, Any] = {}
         for wl in self.workloads:
             for policy in self.policies:
-                label = policy if policy is not None else bl.UPSTREAM
-                out.setdefault(wl.name, {})[label] = measure(
+                out.setdefault(wl.name, {})[bl.policy_label(policy)] = measure(
                     wl, self.requests[wl.name], policy
                 )
         return out
@@ -119,10 +92,6 @@ def make_handler(argv: list[str]) -> Any:
     ap.add_argument("--num-requests", type=int, required=True)
     a = ap.parse_args(argv)
     return EventsWorker(a.num_requests).run
-
-
-def worker_main(argv: list[str]) -> None:
-    bl.serve(argv[argv.index("--tree") + 1], make_handler(argv))
 
 
 # --------------------------------------------------------------------------
@@ -149,13 +118,7 @@ def drive(
         ["--num-requests", str(num_requests)],
         shared,
     )
-    results: dict[str, Any] = {}
-    try:
-        for name in trees:
-            results[name] = session.call(name, {"cmd": "run"})
-            print(f"[events] {name} done", file=log, flush=True)
-    finally:
-        session.close()
+    results = bl.run_trees(session, trees, log)
     rows: list[dict[str, Any]] = []
     for tree, per_wl in results.items():
         for wl, per_policy in per_wl.items():
@@ -189,29 +152,22 @@ def drive(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "worker":
-        worker_main(argv[1:])
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--patched-tree", type=Path, required=True)
-    ap.add_argument("--unpatched-tree", type=Path, required=True)
-    ap.add_argument("--python", default=sys.executable)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
-    res = drive(a.python, a.patched_tree, a.unpatched_tree, a.quick)
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    return drive(a.python, a.patched_tree, a.unpatched_tree, a.quick)
+
+
+def summary(res: dict[str, Any]) -> Iterator[str]:
     for r in res["rows"]:
-        print(
+        yield (
             f"{r['tree']:<9} {r['workload']:<13} {r['policy']:<9} "
             f"stored {r['stored_hashes']}/{r['min_stores']} "
             f"removed {r['removed_hashes']}/{r['min_removals']} "
             f"bytes {r['frame_bytes']} mirrors {r['mirror_check_at_end']}"
         )
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bl.bench_main(argv, __doc__, make_handler, run, summary)
 
 
 if __name__ == "__main__":

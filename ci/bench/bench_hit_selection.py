@@ -28,35 +28,13 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
+import benchlib as bl
 from vllm.v1.core.block_pool import BlockHashToBlockMap
-from vllm.v1.core.kv_cache_utils import (
-    KVCacheBlock,
-    get_request_block_hasher,
-    init_none_hash,
-)
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = bl.BLOCK_SIZE
 EOS = 2
 MAX_MODEL_LEN = 4096
 
@@ -88,43 +66,14 @@ def get_one_block_referenced(self, key):
 VARIANTS = {"first": get_one_block_first, "referenced": get_one_block_referenced}
 
 
-def make_scheduler(model_dir: str, num_blocks: int, max_num_seqs: int) -> Scheduler:
-    vllm_config = VllmConfig(
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=1024,
-            max_model_len=MAX_MODEL_LEN,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-            watermark=0.0,
-        ),
-        model_config=ModelConfig(
-            model=model_dir,
-            dtype="float16",
-            seed=42,
-            skip_tokenizer_init=True,
-            max_model_len=MAX_MODEL_LEN,
-        ),
-        device_config=DeviceConfig(device="cpu"),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    register_all_kvcache_specs(vllm_config)
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-        log_stats=True,
+def make_scheduler(model_dir: str, num_blocks: int, max_num_seqs: int) -> Any:
+    return bl.make_cpu_scheduler(
+        model_dir,
+        num_blocks,
+        max_num_seqs,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=1024,
+        seed=42,
     )
 
 
@@ -157,12 +106,11 @@ def build_trace(seed: int, num_requests: int, num_families: int):
 
 def run(model_dir, variant, seed, num_requests, num_families, num_blocks, seqs):
     BlockHashToBlockMap.get_one_block = VARIANTS[variant]
-    init_none_hash(sha256)
+    hasher = bl.make_hasher(BLOCK_SIZE)  # also sets the none-hash
     scheduler = make_scheduler(model_dir, num_blocks, seqs)
     pool = scheduler.kv_cache_manager.block_pool
     trace = build_trace(seed, num_requests, num_families)
     family_of = {}
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     queries = hits = computed = preemptions = 0
     mean_copies, max_copies, dup_keys = [], 0, []
     step_idx = 0
@@ -170,17 +118,9 @@ def run(model_dir, variant, seed, num_requests, num_families, num_blocks, seqs):
     while pos < len(trace) or scheduler.has_requests():
         while pos < len(trace) and trace[pos][0] <= step_idx:
             _, req_id, f, prompt, max_tokens = trace[pos]
-            params = SamplingParams(ignore_eos=True, max_tokens=max_tokens)
-            params.update_from_generation_config({}, EOS)
             family_of[req_id] = f
             scheduler.add_request(
-                Request(
-                    request_id=req_id,
-                    prompt_token_ids=prompt,
-                    sampling_params=params,
-                    pooling_params=None,
-                    block_hasher=hasher,
-                )
+                bl.make_request(req_id, prompt, hasher, max_tokens, eos_token_id=EOS)
             )
             pos += 1
         step_idx += 1
@@ -195,15 +135,7 @@ def run(model_dir, variant, seed, num_requests, num_families, num_blocks, seqs):
             else:
                 sampled.append([])
         engine_outputs = scheduler.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            ),
+            out, bl.model_output(req_ids, sampled)
         )
         for outputs in engine_outputs.values():
             stats = outputs.scheduler_stats

@@ -28,9 +28,9 @@ blocks, how often the mirror over- and under-scores, plus event volume.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,114 +45,6 @@ MAX_MODEL_LEN = 512
 # --------------------------------------------------------------------------
 # worker
 # --------------------------------------------------------------------------
-
-
-def make_scheduler(
-    model_dir: str, policy: str | None, num_gpu_blocks: int, max_num_seqs: int
-) -> Any:
-    """The real Scheduler as EngineCore builds it, minus the model."""
-    import torch
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVEventsConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    model_config = ModelConfig(
-        model=model_dir,
-        dtype="float16",
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=MAX_MODEL_LEN,
-    )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=2048,
-        max_model_len=MAX_MODEL_LEN,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=model_config.is_encoder_decoder,
-        watermark=0.0,
-    )
-    cache_config = CacheConfig(
-        block_size=bl.BLOCK_SIZE,
-        gpu_memory_utilization=0.9,
-        cache_dtype="auto",
-        enable_prefix_caching=True,
-    )
-    kv_kwargs: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "null"}
-    if policy is not None:
-        kv_kwargs["copy_semantics"] = policy
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
-        cache_config=cache_config,
-        device_config=DeviceConfig(device="cpu"),
-        kv_events_config=KVEventsConfig(**kv_kwargs),
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_gpu_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=bl.BLOCK_SIZE,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
-    )
-    cache_config.num_gpu_blocks = num_gpu_blocks
-    register_all_kvcache_specs(vllm_config)
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=bl.BLOCK_SIZE,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-    )
-
-
-class CapturePublisher:
-    """Stands in for ZmqEventPublisher: same batches, fed to the mirrors."""
-
-    def __init__(self) -> None:
-        self.mirrors: dict[str, Any] = {
-            "set": bl.SetMirror(),
-            "count": bl.CountMirror(),
-        }
-        self.wire = bl.WireCounter()
-        self.counts = {
-            "stored_events": 0,
-            "stored_hashes": 0,
-            "removed_events": 0,
-            "removed_hashes": 0,
-            "cleared_events": 0,
-        }
-
-    def publish(self, batch: Any) -> None:
-        self.wire.add_batch(batch)
-        for k, v in bl.event_counts(batch.events).items():
-            self.counts[k] += v
-        for m in self.mirrors.values():
-            for ev in batch.events:
-                m.apply(ev)
-
-    def shutdown(self) -> None:
-        return
 
 
 Trace = list[tuple[list[int], int, int]]
@@ -259,13 +151,28 @@ def run_trace(
 ) -> dict[str, Any]:
     import numpy as np
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    from vllm.v1.outputs import ModelRunnerOutput
 
     bs = bl.BLOCK_SIZE
     rng = np.random.default_rng(4)
     make, max_num_seqs = TRACES[trace_name]
-    scheduler = make_scheduler(model_dir, policy, num_gpu_blocks, max_num_seqs)
-    cap = CapturePublisher()
+    kv_events: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "null"}
+    if policy is not None:
+        kv_events["copy_semantics"] = policy
+    from vllm.config import KVEventsConfig
+
+    scheduler = bl.make_cpu_scheduler(
+        model_dir,
+        num_gpu_blocks,
+        max_num_seqs,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=2048,
+        seed=0,
+        kv_events_config=KVEventsConfig(**kv_events),
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+    )
+    # The scheduler hands it exactly the batches ZmqEventPublisher would get.
+    cap = bl.EventTap()
     scheduler.kv_event_publisher = cap
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
@@ -281,17 +188,7 @@ def run_trace(
             req = scheduler.requests[rid]
             done = req.num_computed_tokens >= req.num_tokens
             sampled.append([int(rng.integers(1000, 32000))] if done else [])
-        scheduler.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            ),
-        )
+        scheduler.update_from_output(out, bl.model_output(req_ids, sampled))
 
     samples: list[dict[str, int]] = []
     pending_at_arrival = 0
@@ -328,15 +225,7 @@ def run_trace(
             steps += 1
         if steps > max_steps:
             raise RuntimeError(f"trace did not finish in {max_steps} steps")
-    truth = {bl.external_key(k) for k in bl.resident_keys(pool)}
-    end_check = {}
-    for name, m in cap.mirrors.items():
-        held = m.key_set()
-        end_check[name] = {
-            "stale": len(held - truth),
-            "missing": len(truth - held),
-            "orphan_removals": m.orphan_removals,
-        }
+    end_check = cap.mirror_check(bl.resident_external_keys(pool))
     scores: dict[str, dict[str, Any]] = {}
     for name in cap.mirrors:
         for ref, col in (("engine", f"{name}_capped"), ("index", f"{name}_full")):
@@ -362,12 +251,7 @@ def run_trace(
         "pending_events_at_arrival": pending_at_arrival,
         "scores": scores,
         "end_check": end_check,
-        "events": {
-            **cap.counts,
-            "messages": cap.wire.messages,
-            "payload_bytes": cap.wire.payload_bytes,
-            "frame_bytes": cap.wire.frame_bytes,
-        },
+        "events": cap.totals(),
     }
 
 
@@ -376,16 +260,13 @@ class RouterWorker:
         self.model_dir = model_dir
         self.num_requests = num_requests
         self.num_gpu_blocks = num_gpu_blocks
-        self.policies: list[str | None] = (
-            list(bl.POLICIES) if bl.has_copy_semantics() else [None]
-        )
+        self.policies = bl.policies()
 
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for trace_name in TRACES:
             for policy in self.policies:
-                label = policy if policy is not None else bl.UPSTREAM
-                out.setdefault(trace_name, {})[label] = run_trace(
+                out.setdefault(trace_name, {})[bl.policy_label(policy)] = run_trace(
                     self.model_dir,
                     trace_name,
                     policy,
@@ -407,10 +288,6 @@ def make_handler(argv: list[str]) -> Any:
     a = ap.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)
     return RouterWorker(a.model_dir, a.num_requests, a.num_gpu_blocks).run
-
-
-def worker_main(argv: list[str]) -> None:
-    bl.serve(argv[argv.index("--tree") + 1], make_handler(argv))
 
 
 # --------------------------------------------------------------------------
@@ -442,13 +319,7 @@ def drive(
     session = bl.Session(
         "router", python, Path(__file__).resolve(), trees, args, shared
     )
-    results: dict[str, Any] = {}
-    try:
-        for name in trees:
-            results[name] = session.call(name, {"cmd": "run"})
-            print(f"[router] {name} done", file=log, flush=True)
-    finally:
-        session.close()
+    results = bl.run_trees(session, trees, log)
     rows: list[dict[str, Any]] = []
     for tree, per_trace in results.items():
         for trace_name, per_policy in per_trace.items():
@@ -478,21 +349,13 @@ def drive(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "worker":
-        worker_main(argv[1:])
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--patched-tree", type=Path, required=True)
-    ap.add_argument("--unpatched-tree", type=Path, required=True)
-    ap.add_argument("--python", default=sys.executable)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--num-gpu-blocks", type=int, default=40)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
-    res = drive(
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    return drive(
         a.python,
         a.patched_tree,
         a.unpatched_tree,
@@ -500,16 +363,20 @@ def main(argv: list[str] | None = None) -> int:
         a.model_dir,
         a.num_gpu_blocks,
     )
+
+
+def summary(res: dict[str, Any]) -> Iterator[str]:
     for r in res["rows"]:
-        print(
+        yield (
             f"{r['tree']:<9} {r['trace']:<8} {r['policy']:<9} {r['mirror']:<5} "
             f"vs {r['reference']:<6} "
             f"exact {r['exact_rate']:.3f} mae {r['mae_blocks']:.3f} "
             f"over {r['over']} under {r['under']}"
         )
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bl.bench_main(argv, __doc__, make_handler, run, summary, add_args)
 
 
 if __name__ == "__main__":

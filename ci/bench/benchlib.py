@@ -13,6 +13,7 @@ Two sides use this module:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -24,6 +25,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The benches run as scripts from ci/bench; the project's modules live in ci/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_overlay.cpu_scheduler import make_cpu_scheduler  # noqa: E402, F401
 
 BLOCK_SIZE = 16
 POLICIES: tuple[str, ...] = ("logical", "last_copy", "physical")
@@ -180,6 +185,88 @@ def serve(tree: str, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> Non
         emit(handler(command))
 
 
+def tree_of(argv: Sequence[str]) -> str:
+    """The tree named by ``--tree`` on a worker's command line."""
+    return argv[list(argv).index("--tree") + 1]
+
+
+def cli_main(
+    argv: list[str] | None,
+    make_handler: Callable[[list[str]], Callable[[dict[str, Any]], dict[str, Any]]],
+    drive_main: Callable[[list[str]], int],
+) -> int:
+    """A bench script's ``main``: ``worker ...`` serves one tree, else drive.
+
+    The worker's handler is built from its own arguments (``make_handler``)
+    before the provenance line goes out.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "worker":
+        worker_argv = argv[1:]
+        serve(tree_of(worker_argv), make_handler(worker_argv))
+        return 0
+    return drive_main(argv)
+
+
+def driver_parser(doc: str, **python: Any) -> argparse.ArgumentParser:
+    """The driver's parser: both trees and the workers' ``--python``.
+
+    ``python``: keywords for ``--python`` (default: this interpreter).
+    """
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--patched-tree", type=Path, required=True)
+    ap.add_argument("--unpatched-tree", type=Path, required=True)
+    ap.add_argument("--python", **(python or {"default": sys.executable}))
+    return ap
+
+
+def bench_main(
+    argv: list[str] | None,
+    doc: str,
+    make_handler: Callable[[list[str]], Callable[[dict[str, Any]], dict[str, Any]]],
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    summary: Callable[[dict[str, Any]], Iterable[str]],
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    json_help: str | None = None,
+) -> int:
+    """A standalone bench's ``main``: its worker, or its driver.
+
+    The driver parses ``driver_parser``'s arguments, the bench's own
+    (``add_args``), ``--quick`` and ``--json``; ``run`` drives the bench,
+    ``summary`` gives the lines to print, ``--json`` gets the full result.
+    """
+
+    def drive_main(args: list[str]) -> int:
+        ap = driver_parser(doc)
+        if add_args is not None:
+            add_args(ap)
+        ap.add_argument("--quick", action="store_true")
+        ap.add_argument("--json", type=Path, help=json_help)
+        a = ap.parse_args(args)
+        res = run(a)
+        for line in summary(res):
+            print(line)
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1))
+        return 0
+
+    return cli_main(argv, make_handler, drive_main)
+
+
+def run_trees(
+    session: Session, trees: dict[str, Path], log: Any
+) -> dict[str, dict[str, Any]]:
+    """One ``run`` command per tree, in turn; closes the session."""
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for name in trees:
+            results[name] = session.call(name, {"cmd": "run"})
+            print(f"[{session.bench}] {name} done", file=log, flush=True)
+    finally:
+        session.close()
+    return results
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)
@@ -218,6 +305,15 @@ def has_copy_semantics() -> bool:
     return "kv_events_copy_semantics" in inspect.signature(BlockPool).parameters
 
 
+def policies() -> list[str | None]:
+    """The tree's copy-semantics policies; ``[None]`` on the unpatched tree."""
+    return list(POLICIES) if has_copy_semantics() else [None]
+
+
+def policy_label(policy: str | None) -> str:
+    return policy if policy is not None else UPSTREAM
+
+
 def make_hasher(block_size: int = BLOCK_SIZE) -> Callable[[Any], Any]:
     """vLLM's own request block hasher (as EngineCore builds it)."""
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -233,13 +329,14 @@ def make_request(
     prompt: Sequence[int],
     hasher: Callable[[Any], Any],
     max_tokens: int = 17,
+    eos_token_id: int = 100,
 ) -> Any:
     """Like upstream's ``tests/v1/core/test_prefix_caching.py::make_request``."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    params.update_from_generation_config({}, eos_token_id=100)
+    params.update_from_generation_config({}, eos_token_id=eos_token_id)
     return Request(
         request_id=req_id,
         prompt_token_ids=[int(t) for t in prompt],
@@ -264,6 +361,20 @@ def make_pool(
         hash_block_size=block_size,
         enable_kv_cache_events=events,
         **kwargs,
+    )
+
+
+def model_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
+    """A made-up ``ModelRunnerOutput``: ``sampled[i]`` for ``req_ids[i]``."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
     )
 
 
@@ -371,6 +482,11 @@ def run_pool_workload(
 def resident_keys(pool: Any) -> set[Any]:
     """Keys ``(hash, group)`` with at least one resident copy in ``pool``."""
     return set(pool.cached_block_hash_to_block._cache.keys())
+
+
+def resident_external_keys(pool: Any) -> set[tuple[Any, int]]:
+    """``resident_keys`` as a router sees them in events."""
+    return {external_key(k) for k in resident_keys(pool)}
 
 
 def external_key(key: Any) -> tuple[Any, int]:
@@ -498,3 +614,49 @@ class WireCounter:
         self.messages += 1
         self.payload_bytes += len(payload)
         self.frame_bytes += self.topic_len + 8 + len(payload)
+
+
+class EventTap:
+    """Stands in for ZmqEventPublisher: each batch counted, sized, mirrored.
+
+    Every published ``KVEventBatch`` is counted (``event_counts``), sized as
+    the publisher sends it (``WireCounter``) and fed to a set mirror and a
+    counting mirror.
+    """
+
+    def __init__(self) -> None:
+        self.mirrors: dict[str, Any] = {"set": SetMirror(), "count": CountMirror()}
+        self.wire = WireCounter()
+        self.counts = event_counts(())
+
+    def publish(self, batch: Any) -> None:
+        self.wire.add_batch(batch)
+        for k, v in event_counts(batch.events).items():
+            self.counts[k] += v
+        for m in self.mirrors.values():
+            for ev in batch.events:
+                m.apply(ev)
+
+    def shutdown(self) -> None:
+        return
+
+    def totals(self) -> dict[str, int]:
+        """Event counts, messages and bytes so far."""
+        return {
+            **self.counts,
+            "messages": self.wire.messages,
+            "payload_bytes": self.wire.payload_bytes,
+            "frame_bytes": self.wire.frame_bytes,
+        }
+
+    def mirror_check(self, truth: set[tuple[Any, int]]) -> dict[str, dict[str, int]]:
+        """Per mirror: stale and missing keys against ``truth``, orphan removals."""
+        check = {}
+        for name, m in self.mirrors.items():
+            held = m.key_set()
+            check[name] = {
+                "stale": len(held - truth),
+                "missing": len(truth - held),
+                "orphan_removals": m.orphan_removals,
+            }
+        return check

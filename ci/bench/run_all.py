@@ -13,7 +13,6 @@ Every figure in the report comes from this run; none is asserted.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -411,9 +410,8 @@ BENCHES: dict[str, Any] = {
 }
 
 
-def worker_main(argv: list[str]) -> None:
+def make_handler(argv: list[str]) -> Any:
     """A worker serving every bench; handlers built on first use."""
-    tree = argv[argv.index("--tree") + 1]
     handlers: dict[tuple[str, tuple[str, ...]], Any] = {}
 
     def handle(command: dict[str, Any]) -> dict[str, Any]:
@@ -423,18 +421,11 @@ def worker_main(argv: list[str]) -> None:
         result: dict[str, Any] = handlers[key](command)
         return result
 
-    bl.serve(tree, handle)
+    return handle
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "worker":
-        worker_main(argv[1:])
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--patched-tree", type=Path, required=True)
-    ap.add_argument("--unpatched-tree", type=Path, required=True)
-    ap.add_argument("--python", required=True, help="interpreter for the workers")
+def drive_main(argv: list[str]) -> int:
+    ap = bl.driver_parser(__doc__, required=True, help="interpreter for the workers")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument(
@@ -511,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     (a.out / "benchmarks.md").write_text("\n".join(lines))
     print(f"wrote {a.out / 'benchmarks.md'}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bl.cli_main(argv, make_handler, drive_main)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""vLLM's real v1 Scheduler on a CPU, without a model.
+
+Shared by the seed scenario test and the benchmarks: the Scheduler, its
+KVCacheManager and block pool as EngineCore builds them, for a local model
+config directory (no model hub, no tokenizer), with one full-attention
+KV-cache group on the CPU. Callers make up the model outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def make_cpu_scheduler(
+    model_dir: str,
+    num_gpu_blocks: int,
+    max_num_seqs: int,
+    *,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    seed: int,
+    block_size: int = 16,
+    kv_events_config: Any = None,
+    **cache_kwargs: Any,
+) -> Any:
+    """The real Scheduler as EngineCore builds it, minus the model.
+
+    One full-attention KV-cache group of ``num_gpu_blocks`` blocks on the CPU;
+    ``kv_events_config``: a ``KVEventsConfig`` (``None``: no events);
+    ``cache_kwargs``: more ``CacheConfig`` keywords.
+    """
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_config = ModelConfig(
+        model=model_dir,
+        dtype="float16",
+        seed=seed,
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=model_config.is_encoder_decoder,
+        watermark=0.0,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size, enable_prefix_caching=True, **cache_kwargs
+    )
+    vllm_config = VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        # Explicit, so no accelerator has to be detected; the scheduler and
+        # the block pool never touch a device.
+        device_config=DeviceConfig(device="cpu"),
+        kv_events_config=kv_events_config,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+    cache_config.num_gpu_blocks = num_gpu_blocks
+    register_all_kvcache_specs(vllm_config)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=block_size,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+    )
