@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+
+import pytest
 
 from vllm_overlay import dist
 from vllm_overlay.fetch import sha256_of
@@ -36,9 +40,9 @@ def test_publish_into_missing_dist(tmp_path: Path) -> None:
 
 
 def test_killed_publish_leaves_dist_whole(tmp_path: Path) -> None:
-    """Kill the publisher at random points: dist/ is always old or new."""
-    (tmp_path / "dist").mkdir()
-    (tmp_path / "dist" / "old.whl").write_bytes(b"o" * 10)
+    """Kill the publisher at points spread over its whole run: dist/ is
+    always the old one or the new one, never a mix."""
+    old, new = ["old.whl"], ["new.whl", "new.whl.sha256"]
     wheel = tmp_path / "new.whl"
     wheel.write_bytes(os.urandom(64 << 20))
     script = textwrap.dedent(f"""
@@ -49,10 +53,50 @@ def test_killed_publish_leaves_dist_whole(tmp_path: Path) -> None:
         dist.publish(Path({str(wheel)!r}), Path({str(tmp_path / "dist")!r}),
                      Path({str(tmp_path / "build")!r}))
     """)
-    for _ in range(5):
+
+    def publish(kill_after: float | None) -> tuple[list[str], float]:
+        shutil.rmtree(tmp_path / "dist", ignore_errors=True)
+        (tmp_path / "dist").mkdir()
+        (tmp_path / "dist" / "old.whl").write_bytes(b"o" * 10)
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
         assert proc.stdout is not None and proc.stdout.readline() == b"go\n"
-        proc.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        if kill_after is not None:
+            time.sleep(kill_after)
+            proc.send_signal(signal.SIGKILL)
         proc.wait()
-        names = sorted(p.name for p in (tmp_path / "dist").iterdir())
-        assert names in (["old.whl"], ["new.whl", "new.whl.sha256"])
+        return sorted(p.name for p in (tmp_path / "dist").iterdir()), (
+            time.monotonic() - start
+        )
+
+    names, duration = publish(None)
+    assert names == new
+    for i in range(16):
+        names, _ = publish(duration * i / 15)
+        assert names in (old, new)
+
+
+@pytest.mark.parametrize("failing", ["copy", "checksum", "swap"])
+def test_failed_publish_leaves_dist_whole(
+    tmp_path: Path, monkeypatch, failing: str
+) -> None:
+    """A failure at each step of publish (the disk filling up, say) leaves
+    dist/ exactly as it was."""
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "old.whl").write_bytes(b"old")
+    wheel = tmp_path / "new.whl"
+    wheel.write_bytes(b"new")
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    target = {
+        "copy": (dist.shutil, "copy2"),
+        "checksum": (dist, "sha256_of"),
+        "swap": (dist, "_exchange"),
+    }[failing]
+    monkeypatch.setattr(*target, fail)
+    with pytest.raises(OSError, match="No space left"):
+        dist.publish(wheel, tmp_path / "dist", tmp_path / "build")
+    assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == ["old.whl"]
+    assert (tmp_path / "dist" / "old.whl").read_bytes() == b"old"

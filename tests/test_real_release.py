@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from vllm_overlay import apply, fetch, overlay, series, source, wheelcheck, workspace
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
 from vllm_overlay.pin import load_pin
 
@@ -77,6 +78,13 @@ def test_workspace_round_trip_of_the_real_series(tmp_path: Path) -> None:
             f"patches/{name} is not in export format: run `ci/overlay workspace` "
             "and `ci/overlay export`"
         )
+
+
+def test_pinned_torch_is_the_official_wheels() -> None:
+    wheelcheck.check_official_torch(_official(), PIN.wheel_torch, REPO.pin)
+    with pytest.raises(OverlayError, match="requires torch==2.14.0") as e:
+        wheelcheck.check_official_torch(_official(), "2.99.0", REPO.pin)
+    assert "upstream.wheel.torch" in e.value.next_step
 
 
 def test_built_wheel_passes_the_check() -> None:

@@ -60,7 +60,7 @@ _CI_DIR = str(Path(__file__).resolve().parents[1] / "ci")
 if _CI_DIR not in sys.path:
     sys.path.insert(0, _CI_DIR)
 from vllm_overlay import seed_scenario  # noqa: E402
-from vllm_overlay.cpu_scheduler import make_cpu_scheduler  # noqa: E402
+from vllm_overlay.cpu_scheduler import make_cpu_scheduler, step  # noqa: E402
 from vllm_overlay.seed_scenario import Report, Subscriber  # noqa: E402
 
 # No model hub, ever: the model config ships with the test.  Set before vLLM
@@ -155,30 +155,9 @@ def make_request(req_id: str, prompt: list[int], hasher: Any) -> Request:
 
 def run_request(scheduler: Scheduler, request: Request) -> None:
     """Add one request and step the scheduler until it has finished."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
     scheduler.add_request(request)
     for _ in range(MAX_STEPS_PER_REQUEST):
-        out = scheduler.schedule()
-        req_ids = [r.req_id for r in out.scheduled_new_reqs]
-        req_ids += list(out.scheduled_cached_reqs.req_ids)
-        sampled: list[list[int]] = []
-        for rid in req_ids:
-            req = scheduler.requests[rid]
-            # A token is sampled once the whole prompt has been computed.
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled.append([SAMPLED_TOKEN] if done else [])
-        scheduler.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            ),
-        )
+        step(scheduler, lambda _request: SAMPLED_TOKEN)
         if not scheduler.has_unfinished_requests():
             return
     raise AssertionError(

@@ -124,19 +124,11 @@ def run(model_dir, variant, seed, num_requests, num_families, num_blocks, seqs):
             )
             pos += 1
         step_idx += 1
-        out = scheduler.schedule()
-        req_ids = list(out.num_scheduled_tokens)
-        computed += sum(out.num_scheduled_tokens.values())
-        sampled = []
-        for req_id in req_ids:
-            req = scheduler.requests[req_id]
-            if req.num_computed_tokens >= req.num_tokens:
-                sampled.append([generated_token(family_of[req_id], req.num_tokens)])
-            else:
-                sampled.append([])
-        engine_outputs = scheduler.update_from_output(
-            out, bl.model_output(req_ids, sampled)
+        out, engine_outputs = bl.step(
+            scheduler,
+            lambda req: generated_token(family_of[req.request_id], req.num_tokens),
         )
+        computed += sum(out.num_scheduled_tokens.values())
         for outputs in engine_outputs.values():
             stats = outputs.scheduler_stats
             if stats is not None and stats.prefix_cache_stats is not None:

@@ -180,15 +180,7 @@ def run_trace(
     trace = make(num_requests)
 
     def step() -> None:
-        out = scheduler.schedule()
-        req_ids = [r.req_id for r in out.scheduled_new_reqs]
-        req_ids += list(out.scheduled_cached_reqs.req_ids)
-        sampled: list[list[int]] = []
-        for rid in req_ids:
-            req = scheduler.requests[rid]
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled.append([int(rng.integers(1000, 32000))] if done else [])
-        scheduler.update_from_output(out, bl.model_output(req_ids, sampled))
+        bl.step(scheduler, lambda _request: int(rng.integers(1000, 32000)))
 
     samples: list[dict[str, int]] = []
     pending_at_arrival = 0

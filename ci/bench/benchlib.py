@@ -28,7 +28,7 @@ from typing import Any
 
 # The benches run as scripts from ci/bench; the project's modules live in ci/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_overlay.cpu_scheduler import make_cpu_scheduler  # noqa: E402, F401
+from vllm_overlay.cpu_scheduler import make_cpu_scheduler, step  # noqa: E402, F401
 
 BLOCK_SIZE = 16
 POLICIES: tuple[str, ...] = ("logical", "last_copy", "physical")
@@ -361,20 +361,6 @@ def make_pool(
         hash_block_size=block_size,
         enable_kv_cache_events=events,
         **kwargs,
-    )
-
-
-def model_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
-    """A made-up ``ModelRunnerOutput``: ``sampled[i]`` for ``req_ids[i]``."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
     )
 
 

@@ -34,7 +34,9 @@ from vllm_overlay.proc import run_logged
 
 def cmd_fetch_wheel(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
-    return str(fetch.fetch(pin.wheel, layout.downloads))
+    official = fetch.fetch(pin.wheel, layout.downloads)
+    wheelcheck.check_official_torch(official, pin.wheel_torch, layout.pin)
+    return str(official)
 
 
 def _lay_upstream(layout: Layout, dest: Path) -> str:

@@ -8,6 +8,7 @@ KV-cache group on the CPU. Callers make up the model outputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -97,3 +98,31 @@ def make_cpu_scheduler(
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
     )
+
+
+def step(scheduler: Any, next_token: Callable[[Any], int]) -> tuple[Any, Any]:
+    """One engine step with a made-up model.
+
+    A scheduled request whose prompt is fully computed samples
+    ``next_token(request)``; the others (mid-prefill) sample nothing.
+    Returns the ``SchedulerOutput`` and the engine outputs of the step.
+    """
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = scheduler.schedule()
+    req_ids = [r.req_id for r in out.scheduled_new_reqs]
+    req_ids += list(out.scheduled_cached_reqs.req_ids)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        done = request.num_computed_tokens >= request.num_tokens
+        sampled.append([next_token(request)] if done else [])
+    model_output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+    return out, scheduler.update_from_output(out, model_output)

@@ -107,6 +107,25 @@ def compare(
     )
 
 
+def check_official_torch(official: Path, torch: str, pin_path: Path) -> None:
+    """The official wheel must require the torch ``pin.toml`` records."""
+    with zipfile.ZipFile(official) as archive:
+        (metadata,) = [
+            n for n in archive.namelist() if n.endswith(".dist-info/METADATA")
+        ]
+        required = [
+            r
+            for r in _requirements(archive, metadata)
+            if re.match(r"torch\b", r) and "extra ==" not in r
+        ]
+    if required != [f"torch=={torch}"]:
+        raise OverlayError(
+            f"{pin_path}: upstream.wheel.torch = {torch!r}, but {official.name} "
+            f"requires {', '.join(required) or 'no torch'}",
+            f"set upstream.wheel.torch in {pin_path.name} to the wheel's torch",
+        )
+
+
 def check_wheel(
     built: Path, official: Path, tree: Path, touched: set[str], expected_tag: str
 ) -> None:

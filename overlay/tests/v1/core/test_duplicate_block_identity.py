@@ -115,39 +115,39 @@ def full_attention_manager(pool: BlockPool) -> SingleTypeKVCacheManager:
     )
 
 
-def sliding_window_manager(pool: BlockPool) -> SingleTypeKVCacheManager:
-    spec = SlidingWindowSpec(
+def _windowed_manager(
+    pool: BlockPool, spec_cls: type, manager_cls: type, **window: int
+) -> SingleTypeKVCacheManager:
+    """A sliding-window or chunked-local manager with a two-block window."""
+    spec = spec_cls(
         block_size=BLOCK_SIZE,
         num_kv_heads=1,
         head_size=1,
         dtype=torch.float32,
-        sliding_window=2 * BLOCK_SIZE,
+        **window,
     )
-    return SlidingWindowManager(
+    return manager_cls(
         spec,
         block_pool=pool,
         enable_caching=True,
         kv_cache_group_id=0,
         scheduler_block_size=BLOCK_SIZE,
         max_admission_blocks_per_request=10**9,
+    )
+
+
+def sliding_window_manager(pool: BlockPool) -> SingleTypeKVCacheManager:
+    return _windowed_manager(
+        pool, SlidingWindowSpec, SlidingWindowManager, sliding_window=2 * BLOCK_SIZE
     )
 
 
 def chunked_local_manager(pool: BlockPool) -> SingleTypeKVCacheManager:
-    spec = ChunkedLocalAttentionSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float32,
+    return _windowed_manager(
+        pool,
+        ChunkedLocalAttentionSpec,
+        ChunkedLocalAttentionManager,
         attention_chunk_size=2 * BLOCK_SIZE,
-    )
-    return ChunkedLocalAttentionManager(
-        spec,
-        block_pool=pool,
-        enable_caching=True,
-        kv_cache_group_id=0,
-        scheduler_block_size=BLOCK_SIZE,
-        max_admission_blocks_per_request=10**9,
     )
 
 
