@@ -34,8 +34,8 @@ def build_env(pin: Pin, requirements: Path, cache_dir: Path, log_dir: Path) -> P
     return ensure_venv(
         cache_dir,
         "build-env",
-        [f"torch=={pin.build_torch}", "-r", str(requirements)],
-        requirements.read_text(),
+        [f"torch=={pin.build_torch}"],
+        requirements,
         log_dir / "build-env.log",
     )
 

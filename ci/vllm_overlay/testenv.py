@@ -57,8 +57,8 @@ def test_env(
     python = ensure_venv(
         cache_dir,
         "test-env",
-        [*engine, "-r", str(test_requirements)],
-        test_requirements.read_text(),
+        engine,
+        test_requirements,
         log_dir / "test-env.log",
     )
     run_logged(

@@ -14,17 +14,27 @@ from pathlib import Path
 from vllm_overlay.proc import run_logged
 
 
-def ensure_venv(
-    cache_dir: Path, name: str, pip_args: list[str], inputs: str, log: Path
+def venv_dir(
+    cache_dir: Path, name: str, requirements: list[str], requirement_file: Path
 ) -> Path:
-    """Return the python of a venv made with ``pip install *pip_args``.
+    spec = "\n".join([*requirements, requirement_file.read_text(), sys.version])
+    return cache_dir / f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
 
-    ``inputs`` is everything that decides the venv's contents (requirement
-    file texts included); a change makes a new venv.
+
+def ensure_venv(
+    cache_dir: Path,
+    name: str,
+    requirements: list[str],
+    requirement_file: Path,
+    log: Path,
+) -> Path:
+    """Return the python of a venv with ``requirements`` and the contents of
+    ``requirement_file`` installed.
+
+    The venv is keyed by what goes into it (the file's text, not its path),
+    so checkouts that share a cache share their venvs.
     """
-    spec = "\n".join([*pip_args, inputs, sys.version])
-    key = hashlib.sha256(spec.encode()).hexdigest()[:16]
-    env = cache_dir / f"{name}-{key}"
+    env = venv_dir(cache_dir, name, requirements, requirement_file)
     python = env / "bin" / "python"
     stamp = env / ".complete"
     if stamp.exists():
@@ -33,6 +43,18 @@ def ensure_venv(
         shutil.rmtree(env)
     print(f"  creating {env.name}", file=sys.stderr)
     run_logged([sys.executable, "-m", "venv", str(env)], log)
-    run_logged([str(python), "-m", "pip", "install", "--quiet", *pip_args], log)
-    stamp.write_text(spec)
+    run_logged(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            *requirements,
+            "-r",
+            str(requirement_file),
+        ],
+        log,
+    )
+    stamp.write_text(env.name)
     return python
