@@ -177,6 +177,12 @@ def emit(result: dict[str, Any]) -> None:
 
 def serve(tree: str, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Worker main loop: provenance line, then one result per command line."""
+    from vllm.envs import enable_envs_cache
+
+    # EngineCore caches vllm.envs once it has started; without the cache every
+    # envs read on the hot path (maybe_convert_block_hash, once per event
+    # hash) is an os.environ lookup that no running engine pays.
+    enable_envs_cache()
     emit(provenance(tree))
     for line in sys.stdin:
         command = json.loads(line)
@@ -208,14 +214,19 @@ def cli_main(
     return drive_main(argv)
 
 
+def absolute_path(arg: str) -> Path:
+    return Path(arg).resolve()
+
+
 def driver_parser(doc: str, **python: Any) -> argparse.ArgumentParser:
     """The driver's parser: both trees and the workers' ``--python``.
 
     ``python``: keywords for ``--python`` (default: this interpreter).
     """
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--patched-tree", type=Path, required=True)
-    ap.add_argument("--unpatched-tree", type=Path, required=True)
+    # Absolute: workers run with their cwd outside every tree.
+    ap.add_argument("--patched-tree", type=absolute_path, required=True)
+    ap.add_argument("--unpatched-tree", type=absolute_path, required=True)
     ap.add_argument("--python", **(python or {"default": sys.executable}))
     return ap
 

@@ -439,7 +439,7 @@ def drive_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     repeats = 2 if a.quick else a.repeats
     a.out.mkdir(parents=True, exist_ok=True)
-    patched, unpatched = a.patched_tree.resolve(), a.unpatched_tree.resolve()
+    patched, unpatched = a.patched_tree, a.unpatched_tree
     started = dt.datetime.now(dt.UTC)
     tree_paths = {"patched": patched, "unpatched": unpatched}
     git_before = {n: git_state(str(t)) for n, t in tree_paths.items()}

@@ -161,7 +161,7 @@ class Mirrors:
 def resident_keys(pool: BlockPool) -> set[tuple]:
     return {
         (ext(get_block_hash(k)), get_group_id(k), pool.medium)
-        for k in pool.cached_block_hash_to_block.resident_keys()
+        for k in pool.cached_block_hash_to_block.resident_keys
     }
 
 
@@ -242,19 +242,27 @@ def test_block_hash_map_reports_first_and_last_copy():
     cache_map = BlockHashToBlockMap()
     key = make_block_hash_with_group_id(b"h" * 32, 0)
     b1, b2, b3 = (KVCacheBlock(i) for i in (1, 2, 3))
+    resident = cache_map.resident_keys
     assert cache_map.insert(key, b1) is True
     assert cache_map.insert(key, b2) is False
     assert cache_map.insert(key, b3) is False
     assert cache_map.num_copies(key) == 3
-    assert cache_map.pop_copy(key, 7) == (None, False)
-    assert cache_map.pop_copy(key, 2) == (b2, False)
-    assert cache_map.pop_copy(key, 1) == (b1, False)
-    assert cache_map.pop_copy(key, 3) == (b3, True)
-    assert cache_map.num_copies(key) == 0
-    assert cache_map.pop_copy(key, 3) == (None, False)
-    # ``pop`` keeps its signature.
-    cache_map.insert(key, b1)
+    # The view is live: the pool tests it right after each pop to tell
+    # whether the key's last copy just left.
+    assert cache_map.pop(key, 7) is None
+    assert cache_map.pop(key, 2) is b2
+    assert key in resident
     assert cache_map.pop(key, 1) is b1
+    assert key in resident and cache_map.num_copies(key) == 1
+    assert cache_map.pop(key, 3) is b3
+    assert key not in resident and cache_map.num_copies(key) == 0
+    assert cache_map.pop(key, 3) is None
+    # A single copy that is not the one asked for stays.
+    cache_map.insert(key, b1)
+    assert cache_map.pop(key, 2) is None
+    assert list(resident) == [key]
+    assert cache_map.pop(key, 1) is b1
+    assert not resident
 
 
 # ------------------------------------------------------ the seed example

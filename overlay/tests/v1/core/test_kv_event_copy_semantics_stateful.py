@@ -291,7 +291,7 @@ class CopySemanticsMachine(RuleBasedStateMachine):
         return {
             (maybe_convert_block_hash(get_block_hash(k)), get_group_id(k), p.medium)
             for p in self.pools
-            for k in p.cached_block_hash_to_block.resident_keys()
+            for k in p.cached_block_hash_to_block.resident_keys
         }
 
     @invariant()
