@@ -23,3 +23,8 @@ mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
 PYTHONPATH=ci "$python" -m vllm_overlay.upstream_tests check -q \
   --tree build/tree --python "$python" --baseline ci/upstream-baseline.json \
   --extra "${new_tests[@]}"
+step "benchmark smoke: ci/bench/run_all.py --quick (figures not checked)"
+smoke=$(mktemp -d)
+trap 'rm -rf "$smoke"' EXIT
+"$python" ci/bench/run_all.py --quick --patched-tree build/tree \
+  --unpatched-tree "$(ci/overlay pristine-tree)" --python "$python" --out "$smoke" >/dev/null

@@ -30,6 +30,13 @@ By default every repeat runs in a fresh pair of worker processes
 (``--repeats-per-process 1``): a process carries a bias of its own (memory
 layout...) that repeats inside it cannot average out.
 
+Timings on a shared 2-core machine move by a few percent between processes,
+more than the overhead under test; so b and c are also run once per tree and
+policy under an opcode tracer (``benchlib.bytecodes_executed``): the Python
+bytecode instructions executed, the same on every run.  That count says how
+much interpreted work a patch adds, exactly; it does not weigh instructions
+(an allocation counts as one), so the timed ratio remains the figure to judge.
+
 Reported: the median over repeats per tree/workload/policy, the ratio of
 medians patched/unpatched, and the spread of running the same version twice:
 the repeats split in time order into a first and a second half (separate
@@ -97,6 +104,14 @@ def time_hashed(
     return best
 
 
+def count_hashed(wl: bl.PoolWorkload, requests: list[Any], policy: str | None) -> int:
+    """Bytecode instructions of one pass of ``wl`` (pool built outside)."""
+    pool = bl.make_pool(wl.num_blocks, events=True, policy=policy)
+    return bl.bytecodes_executed(
+        lambda: bl.run_pool_workload(pool, requests, wl.concurrency)
+    )
+
+
 class BlockPoolWorker:
     def __init__(
         self, num_requests: int, num_gpu_blocks: int, num_iteration: int, passes: int
@@ -119,6 +134,25 @@ class BlockPoolWorker:
         for wl in self.workloads:
             for policy in self.policies:
                 time_hashed(wl, self.requests[wl.name], policy)
+
+    def handle(self, command: dict[str, Any]) -> dict[str, Any]:
+        if command.get("cmd") == "count":
+            return self.count()
+        return self.run(command)
+
+    def count(self) -> dict[str, Any]:
+        """Bytecode instructions per hashed workload and policy (b and c)."""
+        return {
+            "bytecodes": {
+                wl.name: {
+                    bl.policy_label(policy): count_hashed(
+                        wl, self.requests[wl.name], policy
+                    )
+                    for policy in self.policies
+                }
+                for wl in self.workloads
+            }
+        }
 
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
         rep = int(command["repeat"])
@@ -147,7 +181,7 @@ def make_handler(argv: list[str]) -> Any:
     ap.add_argument("--passes", type=int, required=True)
     a = ap.parse_args(argv)
     w = BlockPoolWorker(a.num_requests, a.num_gpu_blocks, a.num_iteration, a.passes)
-    return w.run
+    return w.handle
 
 
 # --------------------------------------------------------------------------
@@ -212,6 +246,26 @@ def summarize(
     return {"rows": rows, "ratios": ratios}
 
 
+def bytecode_ratios(
+    counts: dict[str, dict[str, dict[str, int]]],
+) -> list[dict[str, Any]]:
+    """Patched/unpatched bytecode counts per hashed workload and policy."""
+    out = []
+    for wl, per in counts["patched"].items():
+        (base,) = counts["unpatched"][wl].values()
+        for policy, n in per.items():
+            out.append(
+                {
+                    "workload": wl,
+                    "policy": policy,
+                    "patched": n,
+                    "unpatched": base,
+                    "ratio": n / base,
+                }
+            )
+    return out
+
+
 def drive(
     python: str,
     patched: Path,
@@ -273,6 +327,13 @@ def drive(
                     file=log,
                     flush=True,
                 )
+            if gen == len(generations) - 1:
+                # Once, after the timed repeats: tracing is slow.
+                counts = {
+                    name: session.call(name, {"cmd": "count"})["bytecodes"]
+                    for name in trees
+                }
+                print("[block_pool] bytecode counts done", file=log, flush=True)
         finally:
             session.close()
     summary = summarize(runs)
@@ -288,12 +349,13 @@ def drive(
         "provenance": infos,
         "wall_s": time.time() - t0,
         "runs": runs,
+        "bytecodes": bytecode_ratios(counts),
         **summary,
     }
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--repeats-per-process", type=int, default=1)
 
 
@@ -314,6 +376,11 @@ def summary(res: dict[str, Any]) -> Iterator[str]:
             f"{r['workload']:<13} {r['policy']:<10} ratio={r['ratio']:.3f} "
             f"(patched {r['patched_median_s']:.4f}s / "
             f"unpatched {r['unpatched_median_s']:.4f}s)"
+        )
+    for r in res["bytecodes"]:
+        yield (
+            f"{r['workload']:<13} {r['policy']:<10} bytecode ratio={r['ratio']:.4f} "
+            f"({r['patched']} / {r['unpatched']})"
         )
 
 

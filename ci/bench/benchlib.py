@@ -476,6 +476,32 @@ def run_pool_workload(
     return allocated
 
 
+def bytecodes_executed(fn: Callable[[], object]) -> int:
+    """Python bytecode instructions that ``fn()`` executes.
+
+    Counted from ``sys.settrace`` opcode events, so the figure is the same on
+    every run: a noise-free measure of interpreted work, blind to what C code
+    costs inside an instruction (an allocation counts as one).
+    """
+    count = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "call":
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            count += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
 def resident_keys(pool: Any) -> set[Any]:
     """Keys ``(hash, group)`` with at least one resident copy in ``pool``."""
     return set(pool.cached_block_hash_to_block._cache.keys())

@@ -140,6 +140,22 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
         g = bench_block_pool.bl.median([d["get_avg_us"] for d in ds])
         f = bench_block_pool.bl.median([d["free_avg_us"] for d in ds])
         out.append(f"| {tree} | {g:.3f} | {f:.3f} |")
+    out += [
+        "",
+        (
+            "Python bytecode instructions executed by one pass of b and c "
+            "(counted under an opcode tracer, identical on every run: the "
+            "interpreted work each tree does, not weighed by cost):"
+        ),
+        "",
+        "| workload | policy | patched | unpatched | ratio |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in bp["bytecodes"]:
+        out.append(
+            f"| {r['workload']} | {r['policy']} | {r['patched']} "
+            f"| {r['unpatched']} | {r['ratio']:.4f} |"
+        )
     out += ["", "![block-pool ratios](block_pool_ratios.png)", ""]
     return out
 
@@ -427,7 +443,7 @@ def make_handler(argv: list[str]) -> Any:
 def drive_main(argv: list[str]) -> int:
     ap = bl.driver_parser(__doc__, required=True, help="interpreter for the workers")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument(
         "--repeats-per-process",
         type=int,
