@@ -14,11 +14,11 @@ Every figure in the report comes from this run; none is asserted.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -270,27 +270,21 @@ def router_section(rt: dict[str, Any]) -> list[str]:
     return out
 
 
-def git_state(tree: str) -> str:
-    try:
-        head = subprocess.run(
-            ["git", "-C", tree, "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "not a git checkout"
-    return f"git {head}" + (" with uncommitted changes" if dirty else "")
+def tree_digest(tree: Path) -> str:
+    """sha256 over the tree's ``vllm/**/*.py`` (paths and contents).
+
+    The trees are scratch copies, not git checkouts: their content is what
+    the workers import, so that is what the report pins.
+    """
+    h = hashlib.sha256()
+    for f in sorted((tree / "vllm").rglob("*.py")):
+        h.update(f.relative_to(tree).as_posix().encode() + b"\0")
+        h.update(f.read_bytes())
+    return "sha256 " + h.hexdigest()[:16]
 
 
 def provenance_lines(
-    results: dict[str, Any], git_before: dict[str, str], git_after: dict[str, str]
+    results: dict[str, Any], digest_before: dict[str, str], digest_after: dict[str, str]
 ) -> list[str]:
     out = ["## Provenance", ""]
     seen: set[tuple[str, str]] = set()
@@ -304,12 +298,12 @@ def provenance_lines(
                 f"- {name}: `vllm.v1.core.block_pool` from "
                 f"`{info['block_pool_file']}` (vLLM {info['vllm_version']}, "
                 f"Python {info['python']}, copy_semantics switch: "
-                f"{'yes' if info['has_copy_semantics'] else 'no'}; tree at start: "
-                f"{git_before[name]}"
+                f"{'yes' if info['has_copy_semantics'] else 'no'}; vllm/*.py at "
+                f"start: {digest_before[name]}"
                 + (
-                    ""
-                    if git_after[name] == git_before[name]
-                    else f"; CHANGED during the run, at the end: {git_after[name]}"
+                    ", unchanged at the end"
+                    if digest_after[name] == digest_before[name]
+                    else f"; CHANGED during the run, at the end: {digest_after[name]}"
                 )
                 + ")"
             )
@@ -458,7 +452,7 @@ def drive_main(argv: list[str]) -> int:
     patched, unpatched = a.patched_tree, a.unpatched_tree
     started = dt.datetime.now(dt.UTC)
     tree_paths = {"patched": patched, "unpatched": unpatched}
-    git_before = {n: git_state(str(t)) for n, t in tree_paths.items()}
+    digest_before = {n: tree_digest(t) for n, t in tree_paths.items()}
     machine_start = machine_line()
     t0 = time.time()
     results: dict[str, Any] = {}
@@ -509,8 +503,8 @@ def drive_main(argv: list[str]) -> int:
         *router_section(results["router"]),
         *provenance_lines(
             results,
-            git_before,
-            {n: git_state(str(t)) for n, t in tree_paths.items()},
+            digest_before,
+            {n: tree_digest(t) for n, t in tree_paths.items()},
         ),
         "Plots: " + ", ".join(plots),
         "",
