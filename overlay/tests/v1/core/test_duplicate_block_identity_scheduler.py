@@ -79,6 +79,17 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+def tiny_model_config(model_dir: str) -> ModelConfig:
+    """The ModelConfig of ``model_dir`` (``TINY_OPT_CONFIG``); no tokenizer."""
+    return ModelConfig(
+        model=model_dir,
+        dtype="float16",
+        seed=42,
+        skip_tokenizer_init=True,
+        max_model_len=MAX_MODEL_LEN,
+    )
+
+
 @pytest.fixture(autouse=True)
 def _init_none_hash():
     init_none_hash(sha256)
@@ -119,13 +130,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 1024,
 ) -> Scheduler:
     has_mamba = any(isinstance(spec, MambaSpec) for spec in specs)
-    model_config = ModelConfig(
-        model=model_dir,
-        dtype="float16",
-        seed=42,
-        skip_tokenizer_init=True,
-        max_model_len=MAX_MODEL_LEN,
-    )
+    model_config = tiny_model_config(model_dir)
     cache_kwargs = {"mamba_cache_mode": "align"} if has_mamba else {}
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(

@@ -15,7 +15,11 @@ import json
 
 import pytest
 
-from tests.v1.core.test_duplicate_block_identity_scheduler import TINY_OPT_CONFIG
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    MAX_MODEL_LEN,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
 from tests.v1.simple_kv_offload.test_scheduler import (
     _BYTES_PER_BLOCK,
     BLOCK_SIZE,
@@ -25,7 +29,6 @@ from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
-    ModelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -47,7 +50,6 @@ from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 POLICIES = ("logical", "last_copy", "physical")
-MAX_MODEL_LEN = TINY_OPT_CONFIG["max_position_embeddings"]
 
 
 @pytest.fixture(autouse=True)
@@ -73,13 +75,7 @@ def make_offload_scheduler(
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
-        model_config=ModelConfig(
-            model=model_dir,
-            dtype="float16",
-            seed=42,
-            skip_tokenizer_init=True,
-            max_model_len=MAX_MODEL_LEN,
-        ),
+        model_config=tiny_model_config(model_dir),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"
