@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""KV-event copy semantics in the simple CPU offload manager's CPU pool.
+"""KV events of the simple CPU offload manager's CPU pool: copies and reset.
 
 Two GPU copies of one key whose stores complete together become two CPU
 copies of that key. Per ``KVEventsConfig.copy_semantics`` the CPU medium then
 gets one ``BlockStored`` ("logical") or one per copy ("last_copy",
 "physical", as upstream), and one ``BlockRemoved`` when the last copy leaves
-("logical", "last_copy") or one per copy ("physical").
+("logical", "last_copy") or one per copy ("physical"). A reset of the CPU
+tier removes its keys under its medium instead of clearing every tier.
 
 The model config comes from a local directory, so no model hub is needed.
 """
@@ -33,7 +34,12 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.kv_events import KVEventsConfig
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -121,14 +127,12 @@ def count_target(events, event_type, target) -> int:
     )
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_cpu_copies_follow_copy_semantics(model_dir, policy):
-    scheduler, gpu_pool = make_offload_scheduler(model_dir, policy)
-    cpu_pool = scheduler.cpu_block_pool
-    assert cpu_pool.kv_events_copy_semantics == policy
+def store_two_copies(scheduler: SimpleCPUOffloadScheduler, gpu_pool: BlockPool):
+    """Two GPU copies of one key, as two requests computing one prompt in the
+    same step leave them, whose stores complete together: two CPU copies.
 
-    # Two GPU copies of one key, as two requests computing one prompt in the
-    # same step leave them.
+    Returns the key and the CPU blocks.
+    """
     gpu_blocks = []
     for request_id in ("r0", "r1"):
         request = one_block_request(request_id)
@@ -136,16 +140,24 @@ def test_cpu_copies_follow_copy_semantics(model_dir, policy):
         gpu_pool.cache_full_blocks(request, blocks, 0, 1, BLOCK_SIZE, 0)
         gpu_blocks += blocks
     key = gpu_blocks[0].block_hash
-    assert key is not None and gpu_blocks[1].block_hash == key
-    target = maybe_convert_block_hash(get_block_hash(key))
     assert key == make_block_hash_with_group_id(request.block_hashes[0], 0)
-
-    # Both stores complete together: two CPU copies of the key.
-    cpu_blocks = cpu_pool.get_new_blocks(2)
+    assert gpu_blocks[1].block_hash == key
+    cpu_blocks = scheduler.cpu_block_pool.get_new_blocks(2)
     scheduler._process_store_completion(
         [b.block_id for b in gpu_blocks], [b.block_id for b in cpu_blocks]
     )
-    assert cpu_pool.cached_block_hash_to_block.num_copies(key) == 2
+    assert scheduler.cpu_block_pool.cached_block_hash_to_block.num_copies(key) == 2
+    return key, cpu_blocks
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cpu_copies_follow_copy_semantics(model_dir, policy):
+    scheduler, gpu_pool = make_offload_scheduler(model_dir, policy)
+    cpu_pool = scheduler.cpu_block_pool
+    assert cpu_pool.kv_events_copy_semantics == policy
+
+    key, cpu_blocks = store_two_copies(scheduler, gpu_pool)
+    target = maybe_convert_block_hash(get_block_hash(key))
     stored = list(scheduler.take_events())
     assert count_target(stored, BlockStored, target) == (
         1 if policy == "logical" else 2
@@ -160,3 +172,22 @@ def test_cpu_copies_follow_copy_semantics(model_dir, policy):
         )
     assert cpu_pool.cached_block_hash_to_block.num_copies(key) == 0
     assert removed_after == ([1, 1] if policy == "physical" else [0, 1])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cpu_reset_removes_its_keys_under_its_medium(model_dir, policy):
+    """The connector resets even when the device pool refuses, so the CPU
+    tier's reset must not publish AllBlocksCleared (no medium: consumers
+    would drop the device tier's keys too)."""
+    scheduler, gpu_pool = make_offload_scheduler(model_dir, policy)
+    key, _ = store_two_copies(scheduler, gpu_pool)
+    target = maybe_convert_block_hash(get_block_hash(key))
+    list(scheduler.take_events())
+
+    assert scheduler.reset()
+    events = list(scheduler.take_events())
+    assert not [e for e in events if isinstance(e, AllBlocksCleared)]
+    assert count_target(events, BlockRemoved, target) == (
+        2 if policy == "physical" else 1
+    )
+    assert not scheduler.cpu_block_pool.cached_block_hash_to_block.resident_keys
