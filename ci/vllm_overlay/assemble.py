@@ -27,8 +27,8 @@ from pathlib import Path
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.pin import Pin
 from vllm_overlay.wheelcheck import VERSION_FILE
+from vllm_overlay.zipmember import LOCAL_HEADER, raw_member
 
-_LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _END = struct.Struct("<IHHHHIIH")
 _MADE_BY = (3 << 8) | 20  # unix, zip 2.0, as setuptools' wheels are
@@ -96,7 +96,7 @@ class _RawZipWriter:
 
     def _header(self, name: bytes, crc: int, csize: int, size: int) -> None:
         self._out.write(
-            _LOCAL.pack(
+            LOCAL_HEADER.pack(
                 0x04034B50,
                 20,
                 0,
@@ -167,16 +167,6 @@ class _RawZipWriter:
         self._out.close()
 
 
-def _raw_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
-    """A member's compressed bytes, read past its local header."""
-    fp = archive.fp
-    assert fp is not None
-    fp.seek(info.header_offset)
-    header = _LOCAL.unpack(fp.read(_LOCAL.size))
-    fp.seek(header[-2] + header[-1], 1)  # name and extra field
-    return fp.read(info.compress_size)
-
-
 def assemble_wheel(
     official: Path, tree: Path, touched: set[str], pin: Pin, out_dir: Path, epoch: int
 ) -> Path:
@@ -215,7 +205,7 @@ def assemble_wheel(
                 elif name in touched:
                     data = (tree / name).read_bytes()
                 else:
-                    writer.copy(name, info, _raw_member(archive, info))
+                    writer.copy(name, info, raw_member(archive, info))
                     records.append(official_records[name])
                     continue
                 writer.write(name, data, info.external_attr)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.manifest import MODULE as MANIFEST_MODULE
+from vllm_overlay.zipmember import same_member
 
 VERSION_FILE = "vllm/_version.py"
 
@@ -85,12 +86,11 @@ def compare(
         differing: list[str] = []
         not_from_tree: list[str] = []
         for name in sorted(set(our_pkg) & set(their_pkg) | (set(our_pkg) & touched)):
-            data = ours.read(name)
             if name in touched:
                 source = tree / name
-                if not source.is_file() or source.read_bytes() != data:
+                if not source.is_file() or source.read_bytes() != ours.read(name):
                     not_from_tree.append(name)
-            elif name not in changeable and data != theirs.read(name):
+            elif name not in changeable and not same_member(ours, theirs, name):
                 differing.append(name)
         missing += sorted(
             f"*.dist-info/{n}" for n in set(their_info) - set(our_info) if n != "RECORD"
