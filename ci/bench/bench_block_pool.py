@@ -276,6 +276,8 @@ def drive(
     shared: dict[str, bl.Worker] | None = None,
     per_process: int = 1,
 ) -> dict[str, Any]:
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, not {repeats}")
     num_requests = 150 if quick else 1500
     args = [
         "--num-requests",
