@@ -10,7 +10,7 @@ step "build"
 ./build.sh
 wheel=$(ls dist/*.whl)
 step "test environment with $(basename "$wheel")"
-python=$(ci/overlay test-env "$wheel")
+python=$(PYTHONPATH=ci python3 -m overlay_harness.testenv "$wheel")
 step "lint: series, DEP-3 headers, ruff"
 ci/overlay lint
 "$python" -m ruff check ci tests
@@ -20,7 +20,7 @@ step "project tests"
 "$python" -m pytest tests
 step "upstream tests and the overlay's new tests, vs the unpatched baseline"
 mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
-PYTHONPATH=ci "$python" -m vllm_overlay.upstream_tests check -q \
+PYTHONPATH=ci "$python" -m overlay_harness.upstream_tests check -q \
   --tree build/tree --python "$python" --baseline ci/upstream-baseline.json \
   --extra "${new_tests[@]}"
 step "benchmark smoke: ci/bench/run_all.py --quick (figures not checked)"

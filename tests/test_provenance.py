@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from vllm_overlay import manifest, overlay, series, testenv
+from overlay_harness import testenv
+from vllm_overlay import manifest, overlay, series
 from vllm_overlay.fetch import sha256_of
 from vllm_overlay.pin import load_pin
 

@@ -59,9 +59,9 @@ import pytest
 _CI_DIR = str(Path(__file__).resolve().parents[1] / "ci")
 if _CI_DIR not in sys.path:
     sys.path.insert(0, _CI_DIR)
-from vllm_overlay import seed_scenario  # noqa: E402
-from vllm_overlay.cpu_scheduler import make_cpu_scheduler, step  # noqa: E402
-from vllm_overlay.seed_scenario import Report, Subscriber  # noqa: E402
+from overlay_harness import seed_scenario  # noqa: E402
+from overlay_harness.cpu_scheduler import make_cpu_scheduler, step  # noqa: E402
+from overlay_harness.seed_scenario import Report, Subscriber  # noqa: E402
 
 # No model hub, ever: the model config ships with the test.  Set before vLLM
 # (and huggingface_hub, which reads it at import) is imported below.

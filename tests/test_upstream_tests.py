@@ -1,4 +1,4 @@
-"""Tests of ci/vllm_overlay/upstream_tests.py on small synthetic inputs.
+"""Tests of ci/overlay_harness/upstream_tests.py on small synthetic inputs.
 
 The end-to-end tests need a python with vLLM installed; they use the
 interpreter running these tests (the project's test venv).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_overlay import upstream_tests as ut
+from overlay_harness import upstream_tests as ut
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
@@ -176,7 +176,7 @@ def test_record_then_check_end_to_end(tmp_path: Path) -> None:
         )
     )
     pkg_root = Path(ut.__file__).resolve().parent.parent
-    cli = [sys.executable, "-m", "vllm_overlay.upstream_tests"]
+    cli = [sys.executable, "-m", "overlay_harness.upstream_tests"]
     common = ["--tree", str(tree), "--python", sys.executable, "-q"]
     base = tmp_path / "base.json"
     r = subprocess.run(

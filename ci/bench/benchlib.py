@@ -28,7 +28,7 @@ from typing import Any
 
 # The benches run as scripts from ci/bench; the project's modules live in ci/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_overlay.cpu_scheduler import make_cpu_scheduler, step  # noqa: E402, F401
+from overlay_harness.cpu_scheduler import make_cpu_scheduler, step  # noqa: E402, F401
 
 BLOCK_SIZE = 16
 POLICIES: tuple[str, ...] = ("logical", "last_copy", "physical")

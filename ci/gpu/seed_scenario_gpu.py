@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_overlay import seed_scenario  # noqa: E402
-from vllm_overlay.seed_scenario import Subscriber  # noqa: E402
+from overlay_harness import seed_scenario  # noqa: E402
+from overlay_harness.seed_scenario import Subscriber  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = HERE.parents[1] / "tests" / "data" / "tiny-model"

@@ -22,7 +22,6 @@ from vllm_overlay import (
     rebase,
     series,
     source,
-    testenv,
     wheelcheck,
     workspace,
 )
@@ -158,14 +157,6 @@ def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
     return "series ok"
 
 
-def cmd_test_env(layout: Layout, args: argparse.Namespace) -> str:
-    return str(
-        testenv.test_env(
-            args.wheel, layout.test_requirements, layout.cache, layout.logs
-        )
-    )
-
-
 def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
     """ruff, with upstream's own configuration, on the files we change."""
     files = sorted(f for f in overlay.patched_files(layout) if f.endswith(".py"))
@@ -264,9 +255,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refresh the patches that apply, with a pin, per version",
     )
-    add(
-        "test-env", cmd_test_env, "CPU test venv with a built wheel installed"
-    ).add_argument("wheel", type=Path)
     p = add("lint-upstream", cmd_lint_upstream, "ruff on patched upstream files")
     p.add_argument("tree", type=Path)
     p.add_argument("--python", type=Path, required=True)

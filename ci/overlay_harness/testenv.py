@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import zipfile
 from email.parser import HeaderParser
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.paths import default_layout
 from vllm_overlay.proc import run_logged
 from vllm_overlay.venv import ensure_venv
 
@@ -85,3 +87,21 @@ def test_env(
             f"delete {python.parents[1]} and run again",
         )
     return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m overlay_harness.testenv WHEEL``: print the venv's python."""
+    (wheel,) = sys.argv[1:] if argv is None else argv
+    layout = default_layout()
+    try:
+        print(
+            test_env(Path(wheel), layout.test_requirements, layout.cache, layout.logs)
+        )
+    except OverlayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

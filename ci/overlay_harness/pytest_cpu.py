@@ -1,7 +1,7 @@
 """Pytest plugin that lets upstream vLLM's test suite run on a machine without
 an accelerator.
 
-Load it with ``-p vllm_overlay.pytest_cpu``.
+Load it with ``-p overlay_harness.pytest_cpu``.
 
 Upstream ``tests/conftest.py`` has autouse fixtures whose teardown ends in
 ``vllm.distributed.parallel_state.cleanup_dist_env_and_memory()``.  On any
@@ -15,7 +15,7 @@ calls themselves: when no accelerator is present they become no-ops.  With an
 accelerator present the plugin changes nothing.
 
 The plugin also records each test's exact node id as a junit-xml property
-(``nodeid``) so that ``vllm_overlay.upstream_tests`` can map junit entries back
+(``nodeid``) so that ``overlay_harness.upstream_tests`` can map junit entries back
 to node ids without guessing.
 """
 
@@ -93,10 +93,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     if _patched_names:
-        return "vllm_overlay.pytest_cpu: no accelerator; no-op torch.accelerator." + (
-            ", torch.accelerator.".join(_patched_names)
+        names = ", torch.accelerator.".join(_patched_names)
+        return (
+            "overlay_harness.pytest_cpu: no accelerator; "
+            f"no-op torch.accelerator.{names}"
         )
-    return "vllm_overlay.pytest_cpu: accelerator present (nothing patched)"
+    return "overlay_harness.pytest_cpu: accelerator present (nothing patched)"
 
 
 @pytest.hookimpl(tryfirst=True)
