@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_overlay import dist
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import sha256_of
 
 
@@ -96,7 +97,70 @@ def test_failed_publish_leaves_dist_whole(
         "swap": (dist, "_exchange"),
     }[failing]
     monkeypatch.setattr(*target, fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OverlayError, match="No space left") as e:
         dist.publish(wheel, tmp_path / "dist", tmp_path / "build")
+    assert "\n" not in e.value.what
     assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == ["old.whl"]
     assert (tmp_path / "dist" / "old.whl").read_bytes() == b"old"
+    assert not (tmp_path / "build" / "dist.new").exists()
+
+
+def _cli_publish(root: Path, wheel: Path) -> subprocess.CompletedProcess[str]:
+    overlay = Path(dist.__file__).parents[1] / "overlay"
+    return subprocess.run(
+        [str(overlay), "--root", str(root), "publish", str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_symlinked_dist_is_one_clear_line_and_blocks_nothing(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "dist").symlink_to(elsewhere)
+    wheel = tmp_path / "w.whl"
+    wheel.write_text("w")
+    result = _cli_publish(tmp_path, wheel)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: cannot publish: {tmp_path / 'dist'}")
+    assert (tmp_path / "dist").is_symlink()
+    assert not (tmp_path / "build" / "dist.new").exists()
+    # What an earlier tool version left behind does not block the next build.
+    (tmp_path / "build").mkdir(exist_ok=True)
+    (tmp_path / "build" / "dist.new").symlink_to(elsewhere)
+    (tmp_path / "dist").unlink()
+    assert _cli_publish(tmp_path, wheel).returncode == 0
+    assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == [
+        "w.whl",
+        "w.whl.sha256",
+    ]
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_immutable_dist_is_one_clear_line(tmp_path: Path) -> None:
+    """An immutable dist/ (chattr +i; as root, the only thing that stops the
+    swap): one error line, no traceback, dist/ as it was, nothing left over."""
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "old.whl").write_text("old")
+    wheel = tmp_path / "w.whl"
+    wheel.write_text("w")
+    if os.geteuid() == 0:
+        lock = ["chattr", "+i", str(tmp_path / "dist")]
+        unlock = ["chattr", "-i", str(tmp_path / "dist")]
+    else:  # without root, a read-only parent stops the swap the same way
+        lock = ["chmod", "555", str(tmp_path)]
+        unlock = ["chmod", "755", str(tmp_path)]
+        (tmp_path / "build").mkdir()
+    subprocess.run(lock, check=True)
+    try:
+        result = _cli_publish(tmp_path, wheel)
+    finally:
+        subprocess.run(unlock, check=True)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: cannot publish to {tmp_path / 'dist'}: ")
+    assert [p.name for p in (tmp_path / "dist").iterdir()] == ["old.whl"]
+    assert not (tmp_path / "build" / "dist.new").exists()
+    assert _cli_publish(tmp_path, wheel).returncode == 0  # nothing blocks a rerun

@@ -17,10 +17,9 @@ from conftest import REPO
 from overlay_harness import testenv
 from vllm_overlay import manifest, overlay, series
 from vllm_overlay.fetch import sha256_of
-from vllm_overlay.pin import load_pin
 
 pytestmark = pytest.mark.real_release
-PIN = load_pin(REPO.pin)
+PIN = overlay.labelled_pin(REPO)  # the version the build gives the wheel
 
 
 @pytest.fixture(scope="module")

@@ -69,10 +69,10 @@ def test_quilt_accepts_the_series_unchanged(pristine: Path, tmp_path: Path) -> N
 def test_workspace_round_trip_of_the_real_series(tmp_path: Path) -> None:
     ws = tmp_path / "workspace"
     source.lay_scratch_tree(REPO.root, PIN, REPO.downloads, ws)
-    workspace.make_workspace(ws, series.load_series(REPO.patches), upto=None)
     exported = tmp_path / "patches"
     shutil.copytree(REPO.patches, exported)
-    workspace.export(ws, exported)
+    workspace.make_workspace(ws, series.load_series(REPO.patches), None, exported)
+    workspace.export(ws)
     for name in sorted(p.name for p in REPO.patches.iterdir()):
         assert (exported / name).read_bytes() == (REPO.patches / name).read_bytes(), (
             f"patches/{name} is not in export format: run `ci/overlay workspace` "
@@ -92,7 +92,8 @@ def test_built_wheel_passes_the_check() -> None:
         _built_wheel(), _official(), REPO.tree, overlay.touched_files(REPO)
     )
     assert result.problems(PIN.wheel_tag) == []
-    assert _built_wheel().name == f"vllm-{PIN.overlay_version}-{PIN.wheel_tag}.whl"
+    version = overlay.labelled_pin(REPO).overlay_version
+    assert _built_wheel().name == f"vllm-{version}-{PIN.wheel_tag}.whl"
 
 
 def test_built_wheel_carries_every_patched_module() -> None:

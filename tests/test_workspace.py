@@ -1,12 +1,18 @@
-"""The maintainer round trip: series -> git workspace -> series."""
+"""The maintainer round trip: series -> git workspace -> series, and the
+ways it must never lose work."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
-from conftest import LINES, make_patch, write_series
+import pytest
+
+from conftest import LINES, REPO, make_patch, write_series
 from vllm_overlay import apply, series, source, workspace
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import load_pin
 
@@ -17,23 +23,33 @@ SECOND = make_patch(
         "line 25\n", "line 25\nline 25.5\n"
     ),
 )
+# Three independent patches of three files, for the series-keeping tests.
+THREE = {
+    f"000{i}-p{i}.patch": make_patch(
+        LINES, LINES.replace("line 10\n", f"line ten {i}\n"), path=f"pkg/f{i}.py"
+    )
+    for i in (1, 2, 3)
+}
 
 
-def _workspace(layout: Layout) -> Path:
+def _workspace(layout: Layout, upto: str | None = None) -> Path:
     pin = load_pin(layout.pin)
     source.fresh_dir(layout.workspace)
     source.lay_scratch_tree(layout.root, pin, layout.downloads, layout.workspace)
     workspace.make_workspace(
-        layout.workspace, series.load_series(layout.patches), upto=None
+        layout.workspace, series.load_series(layout.patches), upto, layout.patches
     )
     return layout.workspace
 
 
-def _upstream(layout: Layout, text: str) -> None:
-    """A synthetic upstream/ checkout holding pkg/mod.py, pinned."""
+def _upstream(layout: Layout, files: dict[str, str] | str) -> None:
+    """A synthetic upstream/ checkout (pkg/mod.py, or the given files), pinned."""
+    if isinstance(files, str):
+        files = {"mod.py": files}
     repo = layout.root / "upstream"
     (repo / "pkg").mkdir(parents=True)
-    (repo / "pkg" / "mod.py").write_text(text)
+    for name, text in files.items():
+        (repo / "pkg" / name).write_text(text)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
@@ -48,9 +64,36 @@ def _upstream(layout: Layout, text: str) -> None:
     )
 
 
+def with_tooling(layout: Layout) -> Layout:
+    """Give a synthetic checkout its own copy of the tooling, so commands
+    printed as ``ci/overlay ...`` run in it exactly as printed."""
+    shutil.copytree(
+        REPO.root / "ci" / "vllm_overlay",
+        layout.root / "ci" / "vllm_overlay",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    shutil.copy2(REPO.root / "ci" / "overlay", layout.root / "ci" / "overlay")
+    return layout
+
+
+def sh(layout: Layout, command: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """Run a printed command line in the checkout, as a maintainer would."""
+    result = subprocess.run(
+        command, shell=True, cwd=layout.root, capture_output=True, text=True
+    )
+    if ok:
+        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
+    return result
+
+
+def hint_commands(next_step: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", next_step)
+
+
 def _export_is_identity(layout: Layout) -> None:
     before = {p.name: p.read_bytes() for p in layout.patches.iterdir()}
-    workspace.export(_workspace(layout), layout.patches)
+    _workspace(layout)
+    workspace.export(layout.workspace)
     after = {p.name: p.read_bytes() for p in layout.patches.iterdir()}
     assert after == before
 
@@ -58,7 +101,9 @@ def _export_is_identity(layout: Layout) -> None:
 def test_round_trip_is_byte_identical(checkout: Layout) -> None:
     _upstream(checkout, LINES)
     write_series(checkout, {"0001-first.patch": FIRST, "0002-second.patch": SECOND})
-    workspace.export(_workspace(checkout), checkout.patches)  # normalise once
+    _workspace(checkout)
+    workspace.export(checkout.workspace)  # normalise once
+    shutil.rmtree(checkout.workspace)
     _export_is_identity(checkout)
     for patch in series.load_series(checkout.patches):
         assert series.header_problems(patch) == []
@@ -73,7 +118,7 @@ def test_export_refreshes_an_offset_patch(checkout: Layout) -> None:
         checkout.root, load_pin(checkout.pin), checkout.downloads, tree
     )
     assert apply.classify(tree, patch).fit is apply.Fit.OFFSET
-    workspace.export(_workspace(checkout), checkout.patches)
+    workspace.export(_workspace(checkout))
     (patch,) = series.load_series(checkout.patches)
     assert apply.classify(tree, patch).fit is apply.Fit.CLEAN
     assert patch.header["Description"] == "test patch"
@@ -85,9 +130,140 @@ def test_new_patch_joins_the_series(checkout: Layout) -> None:
     ws = _workspace(checkout)
     (ws / "pkg" / "mod.py").write_text((ws / "pkg" / "mod.py").read_text() + "end\n")
     workspace.new_patch(ws, "0002-append.patch")
-    workspace.export(ws, checkout.patches)
+    workspace.export(ws)
     names = [p.name for p in series.load_series(checkout.patches)]
     assert names == ["0001-first.patch", "0002-append.patch"]
     (_, new) = series.load_series(checkout.patches)
     assert "template text" in " ".join(series.header_problems(new))
     assert (checkout.patches / "series").read_text().startswith("# test series\n")
+
+
+def test_new_refuses_a_taken_name_before_touching_anything(checkout: Layout) -> None:
+    _upstream(checkout, LINES)
+    write_series(checkout, {"0001-first.patch": FIRST})
+    ws = _workspace(checkout)
+    (ws / "pkg" / "mod.py").write_text("edited\n")
+    with pytest.raises(OverlayError, match="0001-first.patch is taken") as e:
+        workspace.new_patch(ws, "0001-first.patch")
+    assert "ci/overlay new 0002-first.patch" in e.value.next_step
+    assert (ws / "pkg" / "mod.py").read_text() == "edited\n"
+
+
+def test_the_refresh_hint_as_printed_keeps_the_whole_series(checkout: Layout) -> None:
+    """Defect 1: the build's hint for a patch that needs fuzz, run as
+    printed, gives back every patch of the series, refreshed."""
+    with_tooling(checkout)
+    fuzzed = LINES.replace("line 12\n", "line twelve\n")  # context of p2's hunk
+    _upstream(checkout, {"f1.py": LINES, "f2.py": fuzzed, "f3.py": LINES})
+    write_series(checkout, THREE)
+    tree = checkout.build / "probe"
+    source.lay_scratch_tree(
+        checkout.root, load_pin(checkout.pin), checkout.downloads, tree
+    )
+    with pytest.raises(OverlayError, match="0002-p2.patch: does not apply") as e:
+        apply.apply_series(tree, series.load_series(checkout.patches))
+    commands = hint_commands(e.value.next_step)
+    assert commands == ["ci/overlay workspace", "ci/overlay export"]
+    for command in commands:
+        sh(checkout, command)
+    assert series.read_series(checkout.patches) == list(THREE)
+    shutil.rmtree(tree)
+    source.lay_scratch_tree(
+        checkout.root, load_pin(checkout.pin), checkout.downloads, tree
+    )
+    apply.apply_series(tree, series.load_series(checkout.patches))  # zero fuzz now
+
+
+def test_export_never_shortens_the_series_unless_told(checkout: Layout) -> None:
+    _upstream(checkout, {"f1.py": LINES, "f2.py": LINES, "f3.py": LINES})
+    write_series(checkout, THREE)
+    ws = _workspace(checkout, upto="0001-p1.patch")
+    with pytest.raises(OverlayError, match="not applied 0002-p2.patch, 0003-p3"):
+        workspace.export(ws)
+    workspace.continue_workspace(ws, skip=False)
+    workspace.git(ws, "reset", "-q", "--hard", "HEAD~1")  # the last commit gone
+    with pytest.raises(OverlayError, match="would remove 0003-p3.patch") as e:
+        workspace.export(ws)
+    assert hint_commands(e.value.next_step)[-1] == (
+        "ci/overlay export --drop 0003-p3.patch"
+    )
+    assert series.read_series(checkout.patches) == list(THREE)
+    workspace.export(ws, drop=["0003-p3.patch"])
+    assert series.read_series(checkout.patches) == ["0001-p1.patch", "0002-p2.patch"]
+
+
+def test_workspace_refuses_to_discard_work(checkout: Layout) -> None:
+    """Defect 2: remaking the workspace names what it would lose."""
+    with_tooling(checkout)
+    _upstream(checkout, {"f1.py": LINES, "f2.py": LINES, "f3.py": LINES})
+    write_series(checkout, THREE)
+    sh(checkout, "ci/overlay workspace")
+    ws = checkout.workspace
+    (ws / "pkg" / "f1.py").write_text("uncommitted edit\n")
+    (ws / "pkg" / "new.py").write_text("new file\n")
+    refused = sh(checkout, "ci/overlay workspace", ok=False)
+    assert refused.returncode == 1
+    assert "uncommitted: M pkg/f1.py" in refused.stderr
+    assert "uncommitted: ?? pkg/new.py" in refused.stderr
+    assert (ws / "pkg" / "new.py").exists()
+    sh(checkout, f"git -C {ws} add -A && git -C {ws} commit -q --amend --no-edit")
+    refused = sh(checkout, "ci/overlay workspace", ok=False)
+    assert "unexported commit: 0003-p3.patch" in refused.stderr
+    assert (ws / "pkg" / "new.py").exists()
+    sh(checkout, "ci/overlay export")
+    sh(checkout, "ci/overlay workspace")  # everything saved: no refusal
+    (ws / "pkg" / "f1.py").write_text("throw me away\n")
+    sh(checkout, "ci/overlay workspace --force")
+    assert (ws / "pkg" / "f1.py").read_text() != "throw me away\n"
+
+
+def test_conflict_then_continue_then_export(checkout: Layout) -> None:
+    """Defect 3: stop at a conflict with markers in the file, resolve,
+    `--continue` applies the rest, export gives the whole series."""
+    with_tooling(checkout)
+    # upstream changed the very line 0002's hunk changes
+    _upstream(
+        checkout,
+        {
+            "f1.py": LINES,
+            "f2.py": LINES.replace("line 10\n", "LINE 10\n"),
+            "f3.py": LINES,
+        },
+    )
+    write_series(checkout, THREE)
+    stopped = sh(checkout, "ci/overlay workspace", ok=False)
+    assert stopped.returncode == 1
+    assert "0002-p2.patch does not apply" in stopped.stderr
+    assert "conflict markers in pkg/f2.py" in stopped.stderr
+    ws = checkout.workspace
+    assert "<<<<<<<" in (ws / "pkg" / "f2.py").read_text()
+    (hint,) = [line for line in stopped.stderr.splitlines() if "next:" in line]
+    commands = hint_commands(hint)
+    assert commands[-1] == f"ci/overlay workspace --continue --dir {ws}"
+    early = sh(checkout, commands[-1], ok=False)  # markers still there
+    assert "still has conflict markers" in early.stderr
+    (ws / "pkg" / "f2.py").write_text(
+        LINES.replace("line 10\n", "line ten 2\n")
+    )  # the resolution
+    sh(checkout, commands[-1])
+    assert (ws / "pkg" / "f3.py").read_text() != LINES  # 0003 applied too
+    sh(checkout, "ci/overlay export")
+    assert series.read_series(checkout.patches) == list(THREE)
+    (p2,) = [
+        p for p in series.load_series(checkout.patches) if p.name == "0002-p2.patch"
+    ]
+    assert "-LINE 10\n+line ten 2\n" in p2.path.read_text()
+    assert p2.header["Description"] == "test patch"
+
+
+def test_skip_leaves_a_patch_out_only_when_told(checkout: Layout) -> None:
+    _upstream(checkout, {"f1.py": LINES, "f3.py": LINES})  # f2.py gone upstream
+    write_series(checkout, THREE)
+    with pytest.raises(OverlayError, match="target file gone"):
+        _workspace(checkout)
+    ws = checkout.workspace
+    with pytest.raises(OverlayError, match="has no changes for 0002-p2.patch"):
+        workspace.continue_workspace(ws, skip=False)
+    workspace.continue_workspace(ws, skip=True)
+    workspace.export(ws)
+    assert series.read_series(checkout.patches) == ["0001-p1.patch", "0003-p3.patch"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,12 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, default_layout
 from vllm_overlay.pin import load_pin
 from vllm_overlay.proc import run_logged
+
+
+def cmd_check(layout: Layout, args: argparse.Namespace) -> str:
+    patches = overlay.check_checkout(layout)
+    version = overlay.labelled_pin(layout).overlay_version
+    return f"checkout ok: {len(patches)} patches, version {version}"
 
 
 def cmd_fetch_wheel(layout: Layout, args: argparse.Namespace) -> str:
@@ -81,7 +88,7 @@ def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_stamp(layout: Layout, args: argparse.Namespace) -> str:
     data = manifest.build_manifest(
-        load_pin(layout.pin),
+        overlay.labelled_pin(layout),
         series.load_series(layout.patches),
         overlay.overlay_files(layout.overlay),
         args.mode,
@@ -109,7 +116,7 @@ def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
+    pin = overlay.labelled_pin(layout)
     patches = series.load_series(layout.patches)
     wheel = build.build_wheel(
         args.tree,
@@ -172,35 +179,57 @@ def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
-    _lay_upstream(layout, layout.workspace)
-    workspace.make_workspace(
-        layout.workspace, series.load_series(layout.patches), args.upto
-    )
-    return str(layout.workspace)
+    ws = (args.dir or layout.workspace).absolute()
+    if args.cont or args.skip:
+        workspace.continue_workspace(ws, args.skip)
+        return str(ws)
+    if args.dir is not None:
+        raise OverlayError(
+            "--dir names an existing workspace for --continue or --skip",
+            "run `ci/overlay workspace` without --dir to make build/workspace",
+        )
+    patches = overlay.check_checkout(layout)
+    if not args.force and (lost := workspace.unsaved_work(ws)):
+        raise OverlayError(
+            f"{ws} holds work that making it again would discard:\n  "
+            + "\n  ".join(lost),
+            "save it with `ci/overlay export` (after `ci/overlay workspace "
+            "--continue` if it stopped), or discard it: `ci/overlay workspace "
+            "--force`",
+        )
+    _lay_upstream(layout, ws)
+    workspace.make_workspace(ws, patches, args.upto, layout.patches)
+    return str(ws)
 
 
 def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
-    workspace.new_patch(layout.workspace, args.name)
-    return f"committed {args.name}: edit its header with `git commit --amend`"
+    ws = (args.dir or layout.workspace).absolute()
+    workspace.new_patch(ws, args.name)
+    return (
+        f"committed {args.name}: fill in its header with "
+        f"`git -C {ws} commit --amend`, then `ci/overlay export`"
+    )
 
 
 def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
-    names = workspace.export(layout.workspace, layout.patches)
-    return f"exported {len(names)} patches to {layout.patches}"
+    ws = (args.dir or layout.workspace).absolute()
+    names = workspace.export(ws, args.drop)
+    return f"exported {len(names)} patches to {workspace.State.load(ws).export_to}"
 
 
 def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
     pin = load_pin(layout.pin)
+    json_out = args.json or layout.build / "rebase" / "report.json"
     rebase.dry_run(
         pin,
         series.load_series(layout.patches),
         args.versions,
         layout.downloads,
         layout.build / "rebase",
-        args.json,
+        json_out.absolute(),
         args.write,
     )
-    return f"report: {args.json}"
+    return f"report: {json_out}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -213,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    add("check", cmd_check, "check the checkout's own files (no download, no tree)")
     add("fetch-wheel", cmd_fetch_wheel, "download and verify the official wheel")
     add("apply", cmd_apply, "build/tree: fresh upstream + series + overlay")
     add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
@@ -242,14 +272,38 @@ def _parser() -> argparse.ArgumentParser:
         "wheel", type=Path
     )
     add("lint", cmd_lint, "check the series and its DEP-3 headers")
-    add(
-        "workspace", cmd_workspace, "the series as git commits in build/workspace"
-    ).add_argument("--upto", metavar="PATCH", help="stop after this patch")
-    add("new", cmd_new, "commit workspace changes as a new patch").add_argument("name")
-    add("export", cmd_export, "write build/workspace's commits to patches/")
+    p = add("workspace", cmd_workspace, "the series as git commits in build/workspace")
+    p.add_argument("--upto", metavar="PATCH", help="stop after this patch")
+    p.add_argument(
+        "--force", action="store_true", help="discard the workspace's unsaved work"
+    )
+    p.add_argument(
+        "--continue",
+        dest="cont",
+        action="store_true",
+        help="commit the resolved patch, then apply the rest",
+    )
+    p.add_argument(
+        "--skip", action="store_true", help="leave the stopped patch out, go on"
+    )
+    dir_help = "the workspace (default build/workspace)"
+    p.add_argument("--dir", type=Path, help=dir_help)
+    p = add("new", cmd_new, "commit workspace changes as a new patch")
+    p.add_argument("name")
+    p.add_argument("--dir", type=Path, help=dir_help)
+    p = add("export", cmd_export, "write the workspace's commits to its series")
+    p.add_argument("--dir", type=Path, help=dir_help)
+    p.add_argument(
+        "--drop",
+        action="append",
+        metavar="PATCH",
+        help="let the export remove this patch of the series (repeatable)",
+    )
     p = add("rebase-check", cmd_rebase_check, "dry-run the series on other releases")
     p.add_argument("versions", nargs="+", metavar="VERSION")
-    p.add_argument("--json", type=Path, default=Path("build/rebase/report.json"))
+    p.add_argument(
+        "--json", type=Path, help="report path (default build/rebase/report.json)"
+    )
     p.add_argument(
         "--write",
         action="store_true",
@@ -262,9 +316,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    layout = Layout(args.root.resolve()) if args.root else default_layout()
     try:
+        # ci/overlay starts Python with SIGINT at its default (die quietly)
+        # so a Ctrl-C during start-up prints no traceback; from here on it
+        # is a KeyboardInterrupt with the message below.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        args = _parser().parse_args(argv)
+        layout = Layout(args.root.resolve()) if args.root else default_layout()
         print(args.func(layout, args))
     except OverlayError as e:
         print(f"error: {e}", file=sys.stderr)

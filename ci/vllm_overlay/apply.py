@@ -98,9 +98,11 @@ def apply_patch(tree: Path, patch: Patch) -> None:
         raise OverlayError(
             f"{patch.path}: does not apply exactly ({report.fit.value}: "
             f"{report.detail})",
-            f"refresh it: `ci/overlay workspace --upto {patch.name}`, fix the "
-            "last commit in build/workspace, then `ci/overlay export` (README, "
-            "'Refresh a patch')",
+            # Both commands work on the whole series, so running them as
+            # printed refreshes this patch and keeps every later one.
+            "refresh it: `ci/overlay workspace` (applies the series with "
+            "quilt's tolerance, stops at a conflict), then `ci/overlay export` "
+            "(README, 'Refresh a patch')",
         )
     result = _patch(tree, patch.path, "--fuzz=0", "--quiet")
     if result.returncode != 0:  # dry-run passed, so this is the machine's fault

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 from pathlib import Path
 
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import sha256_of
 
 _RENAME_EXCHANGE = 2
@@ -30,21 +32,47 @@ def publish(wheel: Path, dist: Path, staging_root: Path) -> Path:
     """Make ``dist`` hold exactly ``wheel`` and its ``.sha256``.
 
     The new contents are assembled next to ``dist`` and swapped in with one
-    rename, so an interrupted build leaves ``dist`` as it was.
+    rename, so an interrupted or failed build leaves ``dist`` as it was, and
+    a failure leaves no staging directory in the next build's way.
     """
-    staging = staging_root / "dist.new"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    target = staging / wheel.name
-    shutil.copy2(wheel, target)
-    (staging / f"{wheel.name}.sha256").write_text(
-        f"{sha256_of(target)}  {wheel.name}\n"
-    )
     dist = dist.absolute()
-    if dist.exists():
-        _exchange(staging, dist)
-        shutil.rmtree(staging)  # now holds the previous dist/
-    else:
-        staging.rename(dist)
+    if dist.is_symlink():
+        # The swap would replace the link itself with a directory.
+        raise OverlayError(
+            f"cannot publish: {dist} is a symlink (to {os.readlink(dist)}); "
+            "publish swaps dist/ as a whole and would replace the link",
+            f"make it a directory (`rm {dist}`) and copy the wheel from there "
+            "to where the link pointed",
+        )
+    staging = staging_root / "dist.new"
+    try:
+        _remove(staging)
+        staging.mkdir(parents=True)
+        target = staging / wheel.name
+        shutil.copy2(wheel, target)
+        (staging / f"{wheel.name}.sha256").write_text(
+            f"{sha256_of(target)}  {wheel.name}\n"
+        )
+        if dist.exists():
+            _exchange(staging, dist)
+        else:
+            staging.rename(dist)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            _remove(staging)
+        raise OverlayError(
+            f"cannot publish to {dist}: {e.strerror or e} "
+            f"({e.filename or dist}); dist/ was left as it was",
+            f"make {dist} and its parent writable (`lsattr -d {dist}` shows an "
+            "immutable flag; free disk space if it is full), then run ./build.sh "
+            "again",
+        ) from None
+    _remove(staging)  # now holds the previous dist/
     return dist / wheel.name
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)

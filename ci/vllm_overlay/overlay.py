@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import shutil
 import sys
 from pathlib import Path
@@ -9,7 +11,8 @@ from pathlib import Path
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.manifest import MODULE as MANIFEST_MODULE
 from vllm_overlay.paths import Layout
-from vllm_overlay.series import load_series
+from vllm_overlay.pin import Pin, load_pin
+from vllm_overlay.series import Patch, load_series
 
 
 def overlay_files(overlay_dir: Path) -> list[str]:
@@ -53,3 +56,43 @@ def touched_files(layout: Layout) -> set[str]:
     """Files of the built tree that differ from upstream's: the patched ones
     and the generated provenance manifest."""
     return patched_files(layout) | {MANIFEST_MODULE}
+
+
+def check_checkout(layout: Layout) -> list[Patch]:
+    """Every check that needs only the checkout's own files, so a mistake in
+    them is reported before any download or tree: the pin, the series (entries
+    both ways, headers' targets) and overlay files that replace a file a patch
+    changes. (An overlay file that replaces an unpatched upstream file is only
+    known once the tree is laid: ``copy_overlay``.)"""
+    load_pin(layout.pin)
+    patches = load_series(layout.patches)
+    targets = {t for p in patches for t in p.targets}
+    if clash := [f for f in overlay_files(layout.overlay) if f in targets]:
+        raise OverlayError(
+            f"overlay/{clash[0]} would replace {clash[0]}, which the series patches",
+            "overlay/ only adds files: move the change into the patch and remove "
+            f"overlay/{clash[0]}",
+        )
+    return patches
+
+
+def series_digest(layout: Layout) -> str:
+    """sha256 over what the wheel carries besides the pinned release: the
+    series in order with each patch's bytes, and overlay/'s files."""
+    digest = hashlib.sha256()
+    for patch in load_series(layout.patches):
+        digest.update(f"patch {patch.name}\n".encode())
+        digest.update(patch.path.read_bytes())
+    for rel in overlay_files(layout.overlay):
+        digest.update(f"overlay {rel}\n".encode())
+        digest.update((layout.overlay / rel).read_bytes())
+    return digest.hexdigest()
+
+
+def labelled_pin(layout: Layout) -> Pin:
+    """The pin with the series' digest appended to its local label, so two
+    different series never give the same wheel name and version:
+    ``0.33.0+overlay.1.s<10 hex>``. ``local_label`` stays the human part."""
+    pin = load_pin(layout.pin)
+    label = f"{pin.local_label}.s{series_digest(layout)[:10]}"
+    return dataclasses.replace(pin, local_label=label)

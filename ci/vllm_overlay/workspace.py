@@ -1,25 +1,34 @@
 """The maintainer's workspace: the series as git commits, and back.
 
-``make_workspace`` lays the pinned tree in ``build/workspace`` as a git
+``make_workspace`` lays the pinned tree in a workspace directory as a git
 repository: one base commit, then one commit per patch whose message is the
 patch's file name, a blank line and its DEP-3 header. Maintainers edit those
 commits with ordinary git (amend, ``rebase -i``, new commits); ``export``
-writes every commit after the base back to ``patches/`` and rewrites
+writes every commit after the base back to the series directory and rewrites
 ``series`` in commit order. The export format is fixed (no ``index`` lines,
 three lines of context, ``a/`` and ``b/`` prefixes), so importing and
 exporting an unchanged series gives the same bytes on any machine.
+
+The workspace keeps its own state in ``.git/overlay/``: copies of the
+patches not applied yet (after ``--upto`` or a conflict), the patch it
+stopped at, the patches the maintainer chose to drop, and where ``export``
+writes. So ``--continue`` needs nothing but the workspace, and ``export``
+refuses to write a series shorter than the one it came from unless told.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_overlay import apply
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.series import Patch, header_text, load_series
+from vllm_overlay.series import Patch, header_text, load_series, read_series
 
 BASE_MESSAGE = "upstream"
 _ENV = {
@@ -38,6 +47,8 @@ Bug: <issue URL, if there is one>
 Last-Update: <YYYY-MM-DD>
 ---
 """
+# patch -p1 fits the workspace cannot apply by itself: a human edits the tree.
+_STOPS = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE, apply.Fit.ALREADY_UPSTREAM}
 
 
 def git(repo: Path, *args: str, input: str | None = None) -> str:
@@ -70,28 +81,190 @@ def _commit(repo: Path, message: str) -> None:
     )
 
 
-def make_workspace(tree: Path, patches: list[Patch], upto: str | None) -> None:
-    """Turn the fresh upstream ``tree`` into the workspace repository."""
+@dataclass
+class State:
+    """What a workspace still has to do, kept in ``.git/overlay/state.json``."""
+
+    export_to: str
+    pending: list[str] = field(default_factory=list)  # not applied yet, in order
+    stopped: str | None = None  # the patch a human is resolving (pending[0])
+    dropped: list[str] = field(default_factory=list)  # skipped with --skip
+
+    @staticmethod
+    def dir(ws: Path) -> Path:
+        return ws / ".git" / "overlay"
+
+    @classmethod
+    def load(cls, ws: Path) -> State | None:
+        path = cls.dir(ws) / "state.json"
+        return cls(**json.loads(path.read_text())) if path.is_file() else None
+
+    def save(self, ws: Path) -> None:
+        path = self.dir(ws) / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__, indent=2) + "\n")
+        tmp.replace(path)
+
+
+def _pending_patch(ws: Path, name: str) -> Patch:
+    return next(p for p in load_series(State.dir(ws) / "patches") if p.name == name)
+
+
+def continue_hint(ws: Path) -> str:
+    return f"ci/overlay workspace --continue --dir {ws}"
+
+
+def make_workspace(
+    tree: Path, patches: list[Patch], upto: str | None, export_to: Path
+) -> None:
+    """Turn the fresh upstream ``tree`` into the workspace repository and
+    apply ``patches`` (up to ``upto``); see ``advance``."""
+    if upto is not None and upto not in [p.name for p in patches]:
+        raise OverlayError(
+            f"--upto {upto}: not in the series", "name a patch listed in patches/series"
+        )
     git(tree, "init", "-q", "-b", "workspace")
     _commit(tree, BASE_MESSAGE + "\n")
+    # The patches travel with the workspace, so --continue and export need
+    # nothing else (a rebase workspace is not the checkout's series).
+    store = State.dir(tree) / "patches"
+    store.mkdir(parents=True)
     for patch in patches:
-        report = apply.classify(tree, patch)
-        if report.fit in (apply.Fit.CONFLICT, apply.Fit.TARGET_GONE):
-            pending = tree / ".git" / "PENDING_HEADER"
-            pending.write_text(f"{patch.name}\n\n{header_text(patch.path.read_text())}")
-            raise OverlayError(
-                f"{patch.name} does not apply to the workspace ({report.fit.value}: "
-                f"{report.detail})",
-                f"in {tree}: `patch -p1 --merge < {patch.path}`, resolve, then "
-                f"`git commit -a --cleanup=verbatim -F .git/PENDING_HEADER`, apply "
-                "the later patches the same way, and `ci/overlay export`",
-            )
-        apply.apply_loosely(tree, patch)
-        _commit(tree, f"{patch.name}\n\n{header_text(patch.path.read_text())}")
+        shutil.copyfile(patch.path, store / patch.name)
+    (store / "series").write_text("".join(f"{p.name}\n" for p in patches))
+    state = State(str(export_to.absolute()), [p.name for p in patches])
+    state.save(tree)
+    advance(tree, upto)
+
+
+def advance(ws: Path, upto: str | None = None) -> None:
+    """Commit pending patches in order; stop at one that needs a human (its
+    changes merged with conflict markers where patch can) or after ``upto``."""
+    state = _state(ws)
+    while state.pending:
+        patch = _pending_patch(ws, state.pending[0])
+        report = apply.classify(ws, patch)
+        if report.fit in _STOPS:
+            _stop(ws, state, patch, report)
+        apply.apply_loosely(ws, patch)
+        _commit(ws, f"{patch.name}\n\n{header_text(patch.path.read_text())}")
+        state.pending.pop(0)
+        state.save(ws)
         note = "" if report.fit is apply.Fit.CLEAN else f" ({report.fit.value})"
         print(f"  committed {patch.name}{note}", file=sys.stderr)
-        if patch.name == upto:
-            break
+        if patch.name == upto and state.pending:
+            print(
+                f"  stopped after {upto}; {len(state.pending)} later patches wait: "
+                f"edit, `git -C {ws} commit -a --amend`, then `{continue_hint(ws)}`",
+                file=sys.stderr,
+            )
+            return
+
+
+def _stop(ws: Path, state: State, patch: Patch, report: apply.FitReport) -> None:
+    state.stopped = patch.name
+    state.save(ws)
+    (ws / ".git" / "PENDING_HEADER").write_text(
+        f"{patch.name}\n\n{header_text(patch.path.read_text())}"
+    )
+    where = ""
+    if report.fit is apply.Fit.CONFLICT:
+        # patch --merge leaves conflict markers where a hunk failed, so the
+        # maintainer edits the result instead of retyping the patch.
+        subprocess.run(
+            [
+                "patch",
+                "-p1",
+                "--batch",
+                "--forward",
+                "--merge",
+                "--no-backup-if-mismatch",
+                "-d",
+                str(ws),
+                "-i",
+                str(patch.path),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        marked = git(ws, "diff", "--name-only").split()
+        where = f"; conflict markers in {', '.join(marked)}" if marked else ""
+    raise OverlayError(
+        f"{patch.name} does not apply to {ws} ({report.fit.value}: "
+        f"{report.detail}){where}; {len(state.pending) - 1} later patches wait",
+        f"resolve it in {ws} (or leave it out with `{continue_hint(ws)} --skip`), "
+        f"then `{continue_hint(ws)}`",
+    )
+
+
+def _state(ws: Path) -> State:
+    if not (ws / ".git").is_dir():
+        raise OverlayError(
+            f"{ws} is not a workspace", "make one with `ci/overlay workspace`"
+        )
+    state = State.load(ws)
+    if state is None:
+        raise OverlayError(
+            f"{ws} has no workspace state (made by an older ci/overlay)",
+            "export it with the old tool, or make it again with "
+            "`ci/overlay workspace --force`",
+        )
+    return state
+
+
+def continue_workspace(ws: Path, skip: bool) -> None:
+    """Commit the resolution of the stopped patch (or drop it), then apply
+    the rest."""
+    state = _state(ws)
+    dirty = git(ws, "status", "--porcelain")
+    if state.stopped is not None:
+        name = state.stopped
+        if skip:
+            if dirty:
+                raise OverlayError(
+                    f"--skip would leave {ws}'s uncommitted edits in another "
+                    f"patch: {_first_lines(dirty)}",
+                    f"`git -C {ws} checkout -- . && git -C {ws} clean -fd` to "
+                    "throw them away, or resolve and run without --skip",
+                )
+            state.dropped.append(name)
+            print(f"  left out {name}", file=sys.stderr)
+        elif dirty:
+            markers = subprocess.run(
+                ["git", "-C", str(ws), "diff", "--check"],
+                capture_output=True,
+                text=True,
+            ).stdout
+            if "conflict marker" in markers:
+                raise OverlayError(
+                    f"{ws} still has conflict markers: {_first_lines(markers)}",
+                    f"resolve them, then `{continue_hint(ws)}`",
+                )
+            _commit(ws, (ws / ".git" / "PENDING_HEADER").read_text())
+            print(f"  committed {name} (resolved)", file=sys.stderr)
+        elif _commit_names(ws)[-1:] != [name]:
+            raise OverlayError(
+                f"{ws} has no changes for {name}",
+                f"resolve it first, or leave it out with `{continue_hint(ws)} --skip`",
+            )
+        state.pending.pop(0)
+        state.stopped = None
+        state.save(ws)
+    elif skip:
+        raise OverlayError(f"{ws} is not stopped at a patch", "run without --skip")
+    elif dirty:
+        raise OverlayError(
+            f"{ws} has uncommitted edits: {_first_lines(dirty)}",
+            f"commit them (`git -C {ws} commit -a --amend`), then "
+            f"`{continue_hint(ws)}`",
+        )
+    advance(ws)
+
+
+def _first_lines(text: str, n: int = 5) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    more = f" (and {len(lines) - n} more)" if len(lines) > n else ""
+    return "; ".join(lines[:n]) + more
 
 
 def new_patch(workspace: Path, name: str) -> None:
@@ -100,11 +273,27 @@ def new_patch(workspace: Path, name: str) -> None:
         raise OverlayError(
             f"{name!r} is not a patch file name", "use NNNN-short-name.patch"
         )
+    state = _state(workspace)
+    taken = set(_commit_names(workspace)) | set(state.pending)
+    series_file = Path(state.export_to) / "series"
+    if series_file.is_file():
+        taken |= set(read_series(Path(state.export_to)))
+    if name in taken:
+        raise OverlayError(
+            f"{name} is taken (the series already has a patch of that name)",
+            f"pick a new name, e.g. `ci/overlay new {_next_free(taken, name)}`",
+        )
     if not git(workspace, "status", "--porcelain"):
         raise OverlayError(
             f"{workspace} has no changes to put in {name}", "edit the files first"
         )
     _commit(workspace, f"{name}\n\n{HEADER_TEMPLATE}")
+
+
+def _next_free(taken: set[str], name: str) -> str:
+    numbers = [int(n[:4]) for n in taken if n[:4].isdigit()]
+    stem = name[5:] if name[:4].isdigit() and name[4:5] == "-" else name
+    return f"{max(numbers, default=0) + 1:04d}-{stem}"
 
 
 def _diff(repo: Path, commit: str) -> str:
@@ -125,21 +314,23 @@ def _diff(repo: Path, commit: str) -> str:
     )
 
 
-def export(workspace: Path, patches_dir: Path) -> list[str]:
-    """Write the workspace's commits to ``patches_dir``; return the names."""
+def _commit_names(ws: Path) -> list[str]:
+    commits = git(ws, "rev-list", "--reverse", "HEAD").split()[1:]
+    return [
+        git(ws, "log", "-1", "--format=%B", c).partition("\n")[0].strip()
+        for c in commits
+    ]
+
+
+def exported_texts(workspace: Path) -> dict[str, str]:
+    """Each patch commit's export, by name, in commit order."""
     commits = git(workspace, "rev-list", "--reverse", "HEAD").split()
     base, *patch_commits = commits
     if git(workspace, "log", "-1", "--format=%B", base) != BASE_MESSAGE + "\n\n":
         raise OverlayError(
             f"{workspace}: first commit is not the upstream base",
-            "make the workspace again with `ci/overlay workspace`",
+            "make the workspace again with `ci/overlay workspace --force`",
         )
-    if git(workspace, "status", "--porcelain"):
-        raise OverlayError(
-            f"{workspace} has uncommitted changes",
-            "commit them into a patch commit first",
-        )
-    names: list[str] = []
     texts: dict[str, str] = {}
     for commit in patch_commits:
         # %B prints the message verbatim plus one newline of git log's own.
@@ -154,10 +345,71 @@ def export(workspace: Path, patches_dir: Path) -> list[str]:
                 "DEP-3 header",
             )
         texts[name] = header + _diff(workspace, commit)
-        names.append(name)
-    for old in patches_dir.glob("*.patch"):
-        if old.name not in texts:
-            old.unlink()
+    return texts
+
+
+def unsaved_work(ws: Path) -> list[str]:
+    """What making ``ws`` again would lose: uncommitted edits, and commits
+    whose patch differs from (or is missing in) the series it exports to."""
+    if not (ws / ".git").is_dir():
+        return []
+    lost = [
+        f"uncommitted: {line.strip()}"
+        for line in git(ws, "status", "--porcelain").splitlines()
+    ]
+    state = State.load(ws)
+    dest = Path(state.export_to) if state else None
+    try:
+        texts = exported_texts(ws)
+    except OverlayError as e:
+        return [*lost, f"commits git cannot read back: {e.what}"]
+    for name, text in texts.items():
+        saved = dest / name if dest else None
+        if saved is None or not saved.is_file() or saved.read_text() != text:
+            lost.append(f"unexported commit: {name}")
+    return lost
+
+
+def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
+    """Write the workspace's commits to its series directory; return the
+    names. Refuses while patches wait, and when the result would lose a
+    patch of the old series that is not named in ``drop``."""
+    state = _state(workspace)
+    patches_dir = Path(state.export_to)
+    if state.pending:
+        raise OverlayError(
+            f"{workspace} has not applied {', '.join(state.pending)} yet",
+            f"`{continue_hint(workspace)}` first",
+        )
+    if dirty := git(workspace, "status", "--porcelain"):
+        raise OverlayError(
+            f"{workspace} has uncommitted changes: {_first_lines(dirty)}",
+            f"commit them into a patch commit first (`git -C {workspace} "
+            "commit -a --amend`, or `ci/overlay new NAME`)",
+        )
+    texts = exported_texts(workspace)
+    drop = list(drop or [])
+    old = read_series(patches_dir) if (patches_dir / "series").is_file() else []
+    missing = [
+        n for n in old if n not in texts and n not in drop and n not in state.dropped
+    ]
+    if missing:
+        raise OverlayError(
+            f"exporting {workspace} would remove {', '.join(missing)} from "
+            f"{patches_dir / 'series'}",
+            "apply them (`ci/overlay workspace`), or say so: `ci/overlay export "
+            + " ".join(f"--drop {n}" for n in missing)
+            + "`",
+        )
+    if unknown := [n for n in drop if n in texts]:
+        raise OverlayError(
+            f"--drop {', '.join(unknown)}: still a commit in {workspace}",
+            f"remove the commit first (`git -C {workspace} rebase -i`)",
+        )
+    patches_dir.mkdir(parents=True, exist_ok=True)
+    for stale in patches_dir.glob("*.patch"):
+        if stale.name not in texts:
+            stale.unlink()
     for name, text in texts.items():
         (patches_dir / name).write_text(text)
     series = patches_dir / "series"
@@ -166,6 +418,8 @@ def export(workspace: Path, patches_dir: Path) -> list[str]:
         if series.exists()
         else []
     )
-    series.write_text("\n".join([*comments, *names]) + "\n")
+    series.write_text("\n".join([*comments, *texts]) + "\n")
     load_series(patches_dir)  # the result must be a valid series
-    return names
+    for name in [*drop, *state.dropped]:
+        print(f"  dropped {name}", file=sys.stderr)
+    return list(texts)
