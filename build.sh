@@ -17,7 +17,12 @@ esac
 
 step() { printf '==> %s\n' "$*" >&2; }
 overlay() { ci/overlay "$@"; }
+trap 'echo "interrupted; dist/ was left as it was" >&2; exit 130' INT
 
+. ci/prerequisites.sh
+prerequisites 3 patch
+step "check the checkout (pin, series, overlay)"
+overlay check >&2
 step "fetch and verify the official wheel"
 official=$(overlay fetch-wheel)
 step "lay a fresh upstream tree"

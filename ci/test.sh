@@ -6,6 +6,11 @@ cd "$(dirname "$0")/.."
 
 step() { printf '==> %s\n' "$*" >&2; }
 
+# Everything the run needs, before 10 minutes of build and tests: quilt runs
+# in the tests (the series must be quilt's), build.sh checks the rest again.
+. ci/prerequisites.sh
+prerequisites 10 quilt patch git
+
 step "build"
 ./build.sh
 wheel=$(ls dist/*.whl)

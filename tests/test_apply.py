@@ -30,7 +30,7 @@ def test_offset_is_an_error(checkout: Layout, tree: Path) -> None:
     assert apply.classify(tree, patch).fit is apply.Fit.OFFSET
     with pytest.raises(OverlayError, match=r"0001-edit.patch.*offset only") as e:
         apply.apply_series(tree, [patch])
-    assert "workspace --upto 0001-edit.patch" in e.value.next_step
+    assert "`ci/overlay workspace`" in e.value.next_step
     assert (tree / "pkg" / "mod.py").read_text() == before
 
 
