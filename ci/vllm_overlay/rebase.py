@@ -2,10 +2,18 @@
 
 Each patch is tried alone on a fresh tree of the target release and in
 sequence (a patch that fits with offset or fuzz is applied loosely so the
-next ones see it; a conflicting one is left out). The result is a matrix of
-``apply.Fit`` classes, printed for people and written as JSON for machines.
-With ``--write``, the patches that apply are refreshed into an output
-directory together with a pin for the target; the rest need a human.
+next ones see it; a conflicting one is left out). Only the files the series
+touches are laid, since a patch reads nothing else. The result is a matrix
+of ``apply.Fit`` classes, with the file, hunk header and next command of
+every conflict, printed for people and written as JSON for machines.
+
+With ``--write``, the release's full tree becomes a workspace
+(``build/rebase/VERSION/workspace``) holding the whole series: it stops at
+the first patch that needs a human, the later ones still unrefreshed, and
+the maintainer finishes it with ``ci/overlay workspace --continue`` and
+``ci/overlay export``, which writes ``build/rebase/VERSION/rebased/patches``
+next to the ``pin.toml`` for that release. Nothing is ever deleted there: a
+second ``--write`` refuses while earlier work would be lost.
 """
 
 from __future__ import annotations
@@ -13,8 +21,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
-from dataclasses import dataclass
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_overlay import apply, workspace
@@ -25,6 +36,8 @@ from vllm_overlay.series import Patch
 from vllm_overlay.source import extract_sdist
 
 _NEEDS_HUMAN = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE}
+_VERSION_FILE = "vllm/_version.py"
+_FAILED_HUNK = re.compile(r"^Hunk #(\d+) FAILED", re.M)
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,8 @@ class Release:
 class PatchFit:
     alone: apply.FitReport
     in_sequence: apply.FitReport
+    # (file, hunk header) of each hunk that fails, where the patch conflicts
+    failed_hunks: tuple[tuple[str, str], ...] = field(default=())
 
 
 def find_release(version: str, wheel_tag: str, index_url: str | None = None) -> Release:
@@ -61,6 +76,74 @@ def find_release(version: str, wheel_tag: str, index_url: str | None = None) -> 
     return Release(version, sdist, pinned(f"vllm-{version}-{wheel_tag}.whl"))
 
 
+def extract_files(sdist: Path, files: set[str], dest: Path) -> None:
+    """Only ``files`` (tree-relative) of an sdist, as ``dest``."""
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as archive:
+        for member in archive:
+            rel = member.name.partition("/")[2]
+            if rel in files and member.isfile():
+                member.name = rel
+                archive.extract(member, dest, filter="data")
+
+
+def _file_sections(text: str) -> list[tuple[str, str]]:
+    """(target, that file's part of the diff) for each file a patch changes."""
+    lines = text.splitlines(keepends=True)
+    starts: list[int] = []
+    for i, line in enumerate(lines):
+        if (
+            line.startswith("diff ")
+            or (
+                line.startswith("--- ")
+                and lines[i + 1 : i + 2] != []
+                and lines[i + 1].startswith("+++ ")
+                # a plain `diff -u` file header, not the one after `diff --git`
+                and (
+                    not starts
+                    or any(x.startswith("+++ ") for x in lines[starts[-1] : i])
+                )
+            )
+        ):
+            starts.append(i)
+    sections = []
+    for start, end in zip(starts, [*starts[1:], len(lines)], strict=True):
+        part = lines[start:end]
+        target = next(
+            (m.group(1) for x in part if (m := re.match(r"^\+\+\+ (?:b/)?(\S+)", x))),
+            "",
+        )
+        sections.append((target, "".join(part)))
+    return sections
+
+
+def failed_hunks(tree: Path, patch: Patch) -> tuple[tuple[str, str], ...]:
+    """The file and ``@@`` header of every hunk of ``patch`` that fails on
+    ``tree`` even with fuzz (patch numbers hunks per file, so each file's
+    part of the diff is tried on its own)."""
+    failed = []
+    for target, section in _file_sections(patch.path.read_text()):
+        result = subprocess.run(
+            [
+                "patch",
+                "-p1",
+                "--batch",
+                "--forward",
+                "--dry-run",
+                "--fuzz=3",
+                "-d",
+                str(tree),
+            ],
+            input=section,
+            capture_output=True,
+            text=True,
+        )
+        headers = [line for line in section.splitlines() if line.startswith("@@")]
+        for number in _FAILED_HUNK.findall(result.stdout + result.stderr):
+            failed.append((target, headers[int(number) - 1]))
+    return tuple(failed)
+
+
 def fit_series(
     pristine: Path, patches: list[Patch], scratch: Path
 ) -> dict[str, PatchFit]:
@@ -72,17 +155,28 @@ def fit_series(
         alone_tree = scratch / "alone"
         shutil.copytree(pristine, alone_tree, symlinks=True)
         alone = apply.classify(alone_tree, patch)
-        shutil.rmtree(alone_tree)
         in_sequence = apply.classify(sequence, patch)
+        hunks: tuple[tuple[str, str], ...] = ()
+        if in_sequence.fit is apply.Fit.CONFLICT:
+            hunks = failed_hunks(sequence, patch)
+        elif alone.fit is apply.Fit.CONFLICT:
+            hunks = failed_hunks(alone_tree, patch)
+        shutil.rmtree(alone_tree)
         if in_sequence.fit not in _NEEDS_HUMAN | {apply.Fit.ALREADY_UPSTREAM}:
             apply.apply_loosely(sequence, patch)
-        fits[patch.name] = PatchFit(alone, in_sequence)
+        fits[patch.name] = PatchFit(alone, in_sequence, hunks)
     shutil.rmtree(sequence)
     return fits
 
 
-def matrix(results: dict[str, dict[str, PatchFit]], names: list[str]) -> str:
-    """Patches x versions; a cell is 'alone / in sequence' when they differ."""
+def matrix(
+    results: dict[str, dict[str, PatchFit]],
+    names: list[str],
+    next_command: dict[str, str] | None = None,
+) -> str:
+    """Patches x versions; a cell is 'alone / in sequence' when they differ.
+    Below it, each conflict's file and hunk header and the command to run
+    next (``next_command`` by version)."""
     versions = list(results)
 
     def cell(fit: PatchFit) -> str:
@@ -98,6 +192,20 @@ def matrix(results: dict[str, dict[str, PatchFit]], names: list[str]) -> str:
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    for version in versions:
+        for name in names:
+            fit = results[version][name]
+            if fit.failed_hunks:
+                lines.append(f"{version} {name}: conflict")
+                lines += [f"  {file}  {header}" for file, header in fit.failed_hunks]
+            elif fit.in_sequence.fit is apply.Fit.TARGET_GONE:
+                lines.append(
+                    f"{version} {name}: target file gone: {fit.in_sequence.detail}"
+                )
+            else:
+                continue
+            if next_command and version in next_command:
+                lines.append(f"  next: {next_command[version]}")
     return "\n".join(lines)
 
 
@@ -117,6 +225,10 @@ def report(
                 name: {
                     "alone": fit_json(f.alone),
                     "in_sequence": fit_json(f.in_sequence),
+                    "failed_hunks": [
+                        {"file": file, "header": header}
+                        for file, header in f.failed_hunks
+                    ],
                 }
                 for name, f in fits.items()
             },
@@ -131,47 +243,58 @@ def _commit_short(tree: Path) -> str:
     return match.group(1) if match else ""
 
 
-def write_rebased(
-    pin: Pin,
-    release: Release,
-    pristine: Path,
-    patches: list[Patch],
-    fits: dict[str, PatchFit],
-    out: Path,
-) -> list[str]:
-    """Refresh the patches that apply into ``out``; return those needing a human."""
-    if release.wheel is None:
-        raise OverlayError(
-            f"no {pin.wheel_tag} wheel of vllm {release.version} on the package index",
-            "pick a release with a wheel",
-        )
-    human = [
-        n
-        for n, f in fits.items()
-        if f.in_sequence.fit in _NEEDS_HUMAN | {apply.Fit.ALREADY_UPSTREAM}
-    ]
-    ws = out / "workspace"
-    shutil.copytree(pristine, ws, symlinks=True)
-    workspace.make_workspace(ws, [p for p in patches if p.name not in human], upto=None)
-    (out / "patches").mkdir()
-    workspace.export(ws, out / "patches")
+def rebased_pin(pin: Pin, release: Release, commit_short: str) -> str:
+    """pin.toml's text for ``release``: the same file with the new tag,
+    version, files and sha256; torch needs a human (dry_run says so)."""
+    assert release.wheel is not None
     text = pin.path.read_text()
     for old, new in (
         (f'tag = "{pin.tag}"', f'tag = "v{release.version}"'),
         (f'version = "{pin.version}"', f'version = "{release.version}"'),
         (f'commit = "{pin.commit}"', 'commit = ""'),
-        (
-            f'commit_short = "{pin.commit_short}"',
-            f'commit_short = "{_commit_short(pristine)}"',
-        ),
+        (f'commit_short = "{pin.commit_short}"', f'commit_short = "{commit_short}"'),
         (pin.sdist.filename, release.sdist.filename),
         (pin.sdist.sha256, release.sdist.sha256),
         (pin.wheel.filename, release.wheel.filename),
         (pin.wheel.sha256, release.wheel.sha256),
     ):
         text = text.replace(old, new)
-    (out / "pin.toml").write_text(text)
-    return human
+    return text
+
+
+def _refuse_to_overwrite(version_dir: Path) -> None:
+    """--write never deletes earlier work: a result, or a workspace with
+    anything not yet exported."""
+    rebased = version_dir / "rebased"
+    ws = version_dir / "workspace"
+    lost = workspace.unsaved_work(ws) if ws.exists() else []
+    if rebased.exists() or lost:
+        what = [str(rebased)] if rebased.exists() else []
+        raise OverlayError(
+            f"--write would replace earlier work: {', '.join(what + lost)}",
+            f"finish it (README, 'Rebase onto a new upstream tag') or move it "
+            f"away: `mv {version_dir} {version_dir}.old`",
+        )
+
+
+def write_rebased(
+    pin: Pin, release: Release, sdist: Path, patches: list[Patch], version_dir: Path
+) -> str | None:
+    """The release's tree as a workspace of the whole series, and its pin.
+    Returns why the workspace stopped (None: exported, nothing to do)."""
+    ws = version_dir / "workspace"
+    rebased = version_dir / "rebased"
+    if ws.exists():  # _refuse_to_overwrite found nothing unsaved in it
+        shutil.rmtree(ws)
+    extract_sdist(sdist, ws)
+    rebased.mkdir(parents=True)
+    (rebased / "pin.toml").write_text(rebased_pin(pin, release, _commit_short(ws)))
+    try:
+        workspace.make_workspace(ws, patches, None, rebased / "patches")
+    except OverlayError as e:
+        return f"{e.what}\n  next: {e.next_step}"
+    workspace.export(ws)
+    return None
 
 
 def dry_run(
@@ -185,40 +308,57 @@ def dry_run(
 ) -> int:
     releases: dict[str, Release] = {}
     results: dict[str, dict[str, PatchFit]] = {}
-    needs_human: dict[str, list[str]] = {}
+    stops: dict[str, str | None] = {}
+    next_command: dict[str, str] = {}
+    touched = {t for p in patches for t in p.targets} | {_VERSION_FILE}
+    if write:  # before any download: what would be lost
+        for version in versions:
+            _refuse_to_overwrite(work / version)
     for version in versions:
         release = find_release(version, pin.wheel_tag)
+        if write and release.wheel is None:
+            raise OverlayError(
+                f"no {pin.wheel_tag} wheel of vllm {version} on the package index",
+                "pick a release with a wheel, or run without --write",
+            )
         releases[version] = release
         sdist = fetch(release.sdist, cache_dir)
-        scratch = work / version
-        if scratch.exists():
-            shutil.rmtree(scratch)
-        pristine = scratch / "pristine"
-        extract_sdist(sdist, pristine)
         print(
             f"  {version}: {release.sdist.filename} sha256 {release.sdist.sha256}",
             file=sys.stderr,
         )
-        results[version] = fit_series(pristine, patches, scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=work, prefix=f".{version}-") as tmp:
+            pristine = Path(tmp) / "pristine"
+            extract_files(sdist, touched, pristine)
+            results[version] = fit_series(pristine, patches, Path(tmp))
+        ws = work / version / "workspace"
         if write:
-            needs_human[version] = write_rebased(
-                pin, release, pristine, patches, results[version], scratch / "rebased"
-            )
-            print(
-                f"  {version}: refreshed series and pin in {scratch / 'rebased'}",
-                file=sys.stderr,
-            )
-    print(matrix(results, [p.name for p in patches]))
+            stops[version] = write_rebased(pin, release, sdist, patches, work / version)
+            next_command[version] = workspace.continue_hint(ws)
+        else:
+            next_command[version] = f"ci/overlay rebase-check {version} --write"
+    print(matrix(results, [p.name for p in patches], next_command))
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(
         json.dumps(report(releases, results), indent=2, sort_keys=True) + "\n"
     )
-    for version, names in needs_human.items():
-        for name in names:
-            print(f"needs a human on {version}: {name}", file=sys.stderr)
+    for version, stop in stops.items():
+        rebased = work / version / "rebased"
+        ws = work / version / "workspace"
+        if stop is None:
+            print(f"{version}: series refreshed into {rebased}", file=sys.stderr)
+        else:
+            print(
+                f"{version}: {ws} stopped: {stop}\n  then: `ci/overlay export "
+                f"--dir {ws}` writes {rebased / 'patches'}",
+                file=sys.stderr,
+            )
         print(
-            f"needs a human on {version}: pin.toml's [upstream.wheel] torch "
-            "and [build] torch (read them off that release's wheel METADATA)",
+            f"{version}: a human sets pin.toml's [upstream.wheel] torch and "
+            f"[build] torch in {rebased / 'pin.toml'} (read them off that "
+            "release's wheel METADATA); then adopt it: `rm -r patches && cp -r "
+            f"{rebased / 'patches'} patches && cp {rebased / 'pin.toml'} pin.toml`",
             file=sys.stderr,
         )
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -187,7 +188,13 @@ def _stop(ws: Path, state: State, patch: Patch, report: apply.FitReport) -> None
             capture_output=True,
             text=True,
         )
-        marked = git(ws, "diff", "--name-only").split()
+        marked = sorted(
+            set(
+                re.findall(
+                    r"^(.+?):\d+: leftover conflict marker", _diff_check(ws), re.M
+                )
+            )
+        )
         where = f"; conflict markers in {', '.join(marked)}" if marked else ""
     raise OverlayError(
         f"{patch.name} does not apply to {ws} ({report.fit.value}: "
@@ -195,6 +202,14 @@ def _stop(ws: Path, state: State, patch: Patch, report: apply.FitReport) -> None
         f"resolve it in {ws} (or leave it out with `{continue_hint(ws)} --skip`), "
         f"then `{continue_hint(ws)}`",
     )
+
+
+def _diff_check(ws: Path) -> str:
+    """``git diff --check``: it names leftover conflict markers by file and
+    line (and exits non-zero when it finds any, which is no failure here)."""
+    return subprocess.run(
+        ["git", "-C", str(ws), "diff", "--check"], capture_output=True, text=True
+    ).stdout
 
 
 def _state(ws: Path) -> State:
@@ -230,11 +245,7 @@ def continue_workspace(ws: Path, skip: bool) -> None:
             state.dropped.append(name)
             print(f"  left out {name}", file=sys.stderr)
         elif dirty:
-            markers = subprocess.run(
-                ["git", "-C", str(ws), "diff", "--check"],
-                capture_output=True,
-                text=True,
-            ).stdout
+            markers = _diff_check(ws)
             if "conflict marker" in markers:
                 raise OverlayError(
                     f"{ws} still has conflict markers: {_first_lines(markers)}",
@@ -389,7 +400,11 @@ def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
         )
     texts = exported_texts(workspace)
     drop = list(drop or [])
-    old = read_series(patches_dir) if (patches_dir / "series").is_file() else []
+    # The series the workspace was made from, and the one it writes over
+    # (a rebase exports into an empty directory).
+    old = read_series(State.dir(workspace) / "patches")
+    if (patches_dir / "series").is_file():
+        old += [n for n in read_series(patches_dir) if n not in old]
     missing = [
         n for n in old if n not in texts and n not in drop and n not in state.dropped
     ]
