@@ -361,22 +361,22 @@ def exported_texts(workspace: Path) -> dict[str, str]:
 
 def unsaved_work(ws: Path) -> list[str]:
     """What making ``ws`` again would lose: uncommitted edits, and commits
-    whose patch differs from (or is missing in) the series it exports to."""
+    whose patch differs from the one last imported or exported (what the
+    series directory holds now does not matter: it may have moved on)."""
     if not (ws / ".git").is_dir():
         return []
     lost = [
         f"uncommitted: {line.strip()}"
         for line in git(ws, "status", "--porcelain").splitlines()
     ]
-    state = State.load(ws)
-    dest = Path(state.export_to) if state else None
+    store = State.dir(ws) / "patches"
     try:
         texts = exported_texts(ws)
     except OverlayError as e:
         return [*lost, f"commits git cannot read back: {e.what}"]
     for name, text in texts.items():
-        saved = dest / name if dest else None
-        if saved is None or not saved.is_file() or saved.read_text() != text:
+        saved = store / name
+        if not saved.is_file() or saved.read_text() != text:
             lost.append(f"unexported commit: {name}")
     return lost
 
@@ -435,6 +435,15 @@ def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
     )
     series.write_text("\n".join([*comments, *texts]) + "\n")
     load_series(patches_dir)  # the result must be a valid series
+    # What was saved, for unsaved_work.
+    store = State.dir(workspace) / "patches"
+    shutil.rmtree(store)
+    store.mkdir()
+    for name, text in texts.items():
+        (store / name).write_text(text)
+    (store / "series").write_text("".join(f"{n}\n" for n in texts))
     for name in [*drop, *state.dropped]:
         print(f"  dropped {name}", file=sys.stderr)
+    state.dropped = []
+    state.save(workspace)
     return list(texts)
