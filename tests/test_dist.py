@@ -164,3 +164,21 @@ def test_immutable_dist_is_one_clear_line(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "dist").iterdir()] == ["old.whl"]
     assert not (tmp_path / "build" / "dist.new").exists()
     assert _cli_publish(tmp_path, wheel).returncode == 0  # nothing blocks a rerun
+
+
+def test_ctrl_c_at_any_point_of_start_up_prints_no_traceback(tmp_path: Path) -> None:
+    """SIGINT sent at delays spread over a tool's whole start-up and run
+    (`ci/overlay check` imports every module): never a traceback."""
+    overlay = Path(dist.__file__).parents[1] / "overlay"
+    command = [str(overlay), "check"]
+    start = time.monotonic()
+    subprocess.run(command, capture_output=True, check=True)
+    duration = time.monotonic() - start
+    for i in range(20):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(duration * i / 20)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert b"Traceback" not in err, err.decode()
+        if proc.returncode != 0:
+            assert proc.returncode in (130, -signal.SIGINT), err.decode()

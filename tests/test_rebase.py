@@ -7,9 +7,14 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conftest import LINES, make_patch, write_series
 from vllm_overlay import apply, rebase, series
+from vllm_overlay.__main__ import main
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
+from vllm_overlay.pin import load_pin
 
 PATCHES = {
     # one patch per class, each against its own file of the 0.33.0 tree
@@ -97,3 +102,84 @@ def test_matrix_and_report(checkout: Layout, tmp_path: Path) -> None:
     assert data["9.9.9"]["sdist"]["filename"] == sdist.filename
     assert data["9.9.9"]["patches"]["0004-conflict.patch"]["alone"]["fit"] == "conflict"
     shutil.rmtree(tmp_path / "scratch", ignore_errors=True)
+
+
+TWO_FILES = {
+    # 0001 changes two files; only its second hunk in b.py fails on the
+    # next release, and patch numbers that hunk 1 (per file).
+    "0001-two-files.patch": make_patch(
+        LINES, LINES.replace("line 5\n", "five\n"), path="pkg/a.py"
+    )
+    + make_patch(
+        LINES,
+        LINES.replace("line 3\n", "three\n").replace("line 25\n", "twenty-five\n"),
+        path="pkg/b.py",
+        header="",
+    ),
+}
+
+
+def test_conflict_names_file_hunk_and_next_command(
+    checkout: Layout, tmp_path: Path
+) -> None:
+    write_series(checkout, TWO_FILES)
+    patches = series.load_series(checkout.patches)
+    release = tmp_path / "next"
+    (release / "pkg").mkdir(parents=True)
+    (release / "pkg" / "a.py").write_text(LINES)
+    (release / "pkg" / "b.py").write_text(LINES.replace("line 25\n", "line XXV\n"))
+    fits = rebase.fit_series(release, patches, tmp_path / "scratch")
+    fit = fits["0001-two-files.patch"]
+    assert fit.in_sequence.fit is apply.Fit.CONFLICT
+    assert fit.failed_hunks == (("pkg/b.py", "@@ -22,7 +22,7 @@"),)
+    table = rebase.matrix(
+        {"9.9.9": fits},
+        [p.name for p in patches],
+        {"9.9.9": "ci/overlay rebase-check 9.9.9 --write"},
+    )
+    assert table.splitlines()[-3:] == [
+        "9.9.9 0001-two-files.patch: conflict",
+        "  pkg/b.py  @@ -22,7 +22,7 @@",
+        "  next: ci/overlay rebase-check 9.9.9 --write",
+    ]
+    data = rebase.report(
+        {"9.9.9": rebase.Release("9.9.9", rebase.PinnedFile("x", "0" * 64), None)},
+        {"9.9.9": fits},
+    )
+    assert data["9.9.9"]["patches"]["0001-two-files.patch"]["failed_hunks"] == [
+        {"file": "pkg/b.py", "header": "@@ -22,7 +22,7 @@"}
+    ]
+
+
+def test_write_never_overwrites_earlier_work(checkout: Layout, tmp_path: Path) -> None:
+    """A second --write refuses, naming what it would lose, before any
+    download; a plain rerun leaves build/rebase/VERSION alone."""
+    version_dir = checkout.build / "rebase" / "9.9.9"
+    (version_dir / "rebased" / "patches").mkdir(parents=True)
+    reviewed = version_dir / "rebased" / "patches" / "0001-x.patch"
+    reviewed.write_text("a reviewed edit\n")
+    with pytest.raises(OverlayError, match="would replace earlier work") as e:
+        rebase.dry_run(
+            load_pin(checkout.pin),
+            [],
+            ["9.9.9"],
+            checkout.downloads,
+            checkout.build / "rebase",
+            checkout.build / "report.json",
+            write=True,
+        )
+    assert str(version_dir / "rebased") in e.value.what
+    assert f"mv {version_dir} {version_dir}.old" in e.value.next_step
+    assert reviewed.read_text() == "a reviewed edit\n"
+
+
+def test_report_path_is_anchored_to_the_checkout(
+    checkout: Layout, tmp_path: Path, monkeypatch
+) -> None:
+    """The default --json path is the checkout's build/rebase/report.json,
+    wherever the command runs from."""
+    calls = []
+    monkeypatch.setattr(rebase, "dry_run", lambda *args: calls.append(args))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--root", str(checkout.root), "rebase-check", "9.9.9"]) == 0
+    assert calls[0][5] == checkout.build / "rebase" / "report.json"

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from conftest import LINES, PATCH_HEADER, make_patch, write_series
+from conftest import LINES, PATCH_HEADER, REPO, make_patch, write_series
 from vllm_overlay import series
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.paths import Layout
+from vllm_overlay.paths import Layout, copy_checkout
 
 GOOD = make_patch(LINES, LINES.replace("line 5\n", "line five\n"))
 
@@ -118,3 +121,46 @@ def test_lint_finds_a_hunk_that_does_not_parse(checkout: Layout) -> None:
     )
     (patch,) = series.load_series(checkout.patches)
     assert series.diff_problems(patch)
+
+
+@pytest.mark.parametrize(
+    ("break_it", "message"),
+    [
+        (
+            lambda co: (co.patches / "series").write_text(
+                (co.patches / "series").read_text()
+                + series.read_series(co.patches)[0]
+                + "\n"
+            ),
+            "is listed twice",
+        ),
+        (
+            lambda co: (co.patches / "series").write_text(
+                (co.patches / "series").read_text() + "0009-missing.patch\n"
+            ),
+            "lists 0009-missing.patch, which is not",
+        ),
+        (
+            lambda co: (
+                (co.overlay / "vllm" / "v1" / "core").mkdir(parents=True),
+                (co.overlay / "vllm" / "v1" / "core" / "block_pool.py").write_text(""),
+            ),
+            "overlay/vllm/v1/core/block_pool.py would replace",
+        ),
+    ],
+    ids=["doubled", "missing", "overlay-replaces-patched"],
+)
+def test_build_checks_the_checkout_before_any_download(
+    tmp_path: Path, break_it, message: str
+) -> None:
+    """Mistakes in the checkout's own files stop ./build.sh in its first
+    step, before the official wheel is fetched or a tree laid."""
+    checkout = copy_checkout(REPO, tmp_path / "checkout", None)
+    break_it(checkout)
+    result = subprocess.run(
+        [str(checkout.root / "build.sh")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "==> fetch" not in result.stderr
+    assert not checkout.cache.exists() and not checkout.build.exists()

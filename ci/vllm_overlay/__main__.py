@@ -317,9 +317,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        # ci/overlay starts Python with SIGINT at its default (die quietly)
-        # so a Ctrl-C during start-up prints no traceback; from here on it
-        # is a KeyboardInterrupt with the message below.
+        # ci/overlay keeps SIGINT from raising during start-up (no
+        # traceback); from here on it is a KeyboardInterrupt, one line.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         args = _parser().parse_args(argv)
         layout = Layout(args.root.resolve()) if args.root else default_layout()
