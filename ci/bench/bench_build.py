@@ -9,6 +9,11 @@ hits all of them; each route's repeats are split in two halves to show the
 spread of running the same thing twice.
 
     python3 ci/bench/bench_build.py --repeats 4 --cold 1 --out docs/bench-build.json
+
+``--rebase VERSION --baseline-rev REV`` instead times ``ci/overlay
+rebase-check VERSION`` (warm: the sdist cached) of this checkout against the
+tooling of git revision REV on the same patches, alternated, and writes the
+"rebase-check" section of the markdown next to ``--out``.
 """
 
 from __future__ import annotations
@@ -71,6 +76,85 @@ def _summary(times: list[float]) -> dict[str, float | list[float]]:
     return out
 
 
+def _timed_rebase_check(checkout: Path, version: str) -> float:
+    start = time.perf_counter()
+    subprocess.run(
+        [
+            str(checkout / "ci" / "overlay"),
+            "rebase-check",
+            version,
+            "--json",
+            str(checkout / "report.json"),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return time.perf_counter() - start
+
+
+_REBASE_SECTION = "## rebase-check of one version"
+
+
+def bench_rebase(args: argparse.Namespace) -> int:
+    times: dict[str, list[float]] = {args.baseline_rev: [], "this checkout": []}
+    REPO.build.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=REPO.build) as tmp:
+        current = copy_checkout(REPO, Path(tmp) / "current", REPO.cache).root
+        baseline = Path(tmp) / "baseline"
+        shutil.copytree(current, baseline, symlinks=True)
+        shutil.rmtree(baseline / "ci")
+        archive = subprocess.run(
+            ["git", "-C", str(REPO.root), "archive", args.baseline_rev, "ci"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(baseline)], input=archive, check=True)
+        _timed_rebase_check(current, args.rebase)  # the sdist into the cache
+        for _ in range(args.repeats):
+            times[args.baseline_rev].append(_timed_rebase_check(baseline, args.rebase))
+            times["this checkout"].append(_timed_rebase_check(current, args.rebase))
+    result = {
+        "machine": f"{os.cpu_count()} cores, {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "load_average_1min_at_end": os.getloadavg()[0],
+        "version": args.rebase,
+        "warm": {k: _summary(v) for k, v in times.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    base = result["warm"][args.baseline_rev]["median_s"]
+    lines = [
+        _REBASE_SECTION,
+        "",
+        f"{result['date']}, {result['machine']}, 1-min load average "
+        f"{result['load_average_1min_at_end']:.1f} at the end (a shared "
+        f"machine); `ci/overlay rebase-check {args.rebase}` with the sdist "
+        f"cached, {args.repeats} repeats alternated. Command: `python3 "
+        f"ci/bench/bench_build.py --rebase {args.rebase} --baseline-rev "
+        f"{args.baseline_rev} --repeats {args.repeats} --out {args.out}`.",
+        "",
+        "| tooling | median s | halves s | vs baseline |",
+        "|---|---:|---|---:|",
+    ]
+    for name, w in result["warm"].items():
+        halves = (
+            f"{w['median_first_half_s']:.1f} / {w['median_second_half_s']:.1f}"
+            if "median_first_half_s" in w
+            else "-"
+        )
+        lines.append(
+            f"| {name} | {w['median_s']:.1f} | {halves} "
+            f"| {base / w['median_s']:.1f}x faster |"
+        )
+    md = REPO.root / "docs" / "benchmarks" / "build.md"
+    text = md.read_text() if md.exists() else ""
+    text = text.split(_REBASE_SECTION)[0].rstrip("\n") + "\n\n" + "\n".join(lines)
+    md.write_text(text + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -78,7 +162,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--cold", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rebase", metavar="VERSION")
+    parser.add_argument("--baseline-rev", default="fe6bfd6")
     args = parser.parse_args()
+    if args.rebase:
+        return bench_rebase(args)
 
     official = fetch(load_pin(REPO.pin).wheel, REPO.downloads)
     warm: dict[str, list[float]] = {"floor": [], **{r: [] for r in ROUTES}}
