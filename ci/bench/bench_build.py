@@ -206,7 +206,12 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    args.out.with_suffix(".md").write_text(_markdown(result, args))
+    md = args.out.with_suffix(".md")
+    kept = md.read_text().partition(_REBASE_SECTION)[1:] if md.exists() else ()
+    md.write_text(
+        _markdown(result, args)
+        + ("\n" + "".join(kept) if kept[0:1] != ("",) and kept else "")
+    )
     print(args.out.with_suffix(".md").read_text())
     return 0
 
