@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -164,3 +165,22 @@ def test_build_checks_the_checkout_before_any_download(
     assert message in result.stderr
     assert "==> fetch" not in result.stderr
     assert not checkout.cache.exists() and not checkout.build.exists()
+
+
+def test_different_series_never_share_a_wheel_version(checkout: Layout) -> None:
+    """The local version carries the series digest: any change to a patch,
+    the order, or overlay/ gives another wheel name and version."""
+    from vllm_overlay.overlay import labelled_pin
+
+    write_series(checkout, {"0001-a.patch": GOOD, "0002-b.patch": GOOD})
+    versions = [labelled_pin(checkout).overlay_version]
+    assert re.fullmatch(r"0\.33\.0\+overlay\.1\.s[0-9a-f]{10}", versions[0])
+    write_series(checkout, {"0002-b.patch": GOOD, "0001-a.patch": GOOD})
+    versions.append(labelled_pin(checkout).overlay_version)
+    (checkout.patches / "0001-a.patch").write_text(GOOD.replace("five", "5"))
+    versions.append(labelled_pin(checkout).overlay_version)
+    (checkout.overlay / "tests").mkdir()
+    (checkout.overlay / "tests" / "test_new.py").write_text("pass\n")
+    versions.append(labelled_pin(checkout).overlay_version)
+    assert len(set(versions)) == 4, versions
+    assert labelled_pin(checkout).overlay_version == versions[-1]  # stable
