@@ -41,7 +41,11 @@ def test_every_compiled_module_loads_and_registers_its_ops(
 ) -> None:
     wheel = _built_wheel()
     modules = extensions.compiled_modules(fetch.fetch(PIN.wheel, REPO.downloads))
-    assert extensions.compiled_modules(wheel).keys() == modules.keys()
+    ours = extensions.compiled_modules(wheel).keys()
+    assert ours == modules.keys(), (
+        f"{wheel.name} lacks {sorted(modules.keys() - ours)} and adds "
+        f"{sorted(ours - modules.keys())}"
+    )
     python = extensions.extension_env(REPO, PIN, wheel)
     stub = extensions.libcuda_stub(
         [official / member for member in modules.values()], tmp_path / "stub"
