@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_image_args_carry_the_manifest(installed: dict, tmp_path: Path) -> None:
     (wheel,) = REPO.dist.glob("*.whl")
     copy = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
     copy.dist.mkdir()
-    os.link(wheel, copy.dist / wheel.name)
+    shutil.copy2(wheel, copy.dist / wheel.name)
     first = copy.patches / series.read_series(copy.patches)[0]
     first.write_text(first.read_text().replace("Description: ", "Description: Now ", 1))
     build = subprocess.Popen(

@@ -17,6 +17,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from vllm_overlay.paths import Layout
 from vllm_overlay.proc import run_logged
 
 SUITE = "bookworm"
+SUITE_PYTHON = "3.11"  # the suite's python3, which the stand-in's wheels fit
 DEBOOTSTRAP = (
     "--variant=minbase",
     "--include=python3,python3-venv,python3-pip,ca-certificates",
@@ -133,10 +135,13 @@ def ensure_standin(layout: Layout) -> str:
                 ["tar", "-C", str(work / "rootfs"), "-c", "."], stdout=tar, check=True
             )
         shutil.rmtree(work / "rootfs")
-        rootfs = podman(layout, "import", str(work / "rootfs.tar")).split()[-1]
+        imported = podman(layout, "import", str(work / "rootfs.tar")).split()[-1]
+        rootfs = imported.removeprefix("sha256:")
         wheels = work / "wheels"
         run_logged(
-            ["pip", "download", "--quiet", "-d", str(wheels), *VENV_REQUIREMENTS],
+            [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:"]
+            + ["--python-version", SUITE_PYTHON, "-d", str(wheels)]
+            + list(VENV_REQUIREMENTS),
             logs / "standin-wheels.log",
         )
         (work / "Containerfile").write_text(STANDIN_CONTAINERFILE)
@@ -153,6 +158,7 @@ def ensure_standin(layout: Layout) -> str:
             ref,
             str(wheels),
         )
+        podman(layout, "rmi", rootfs)  # its layer lives on in the stand-in
     return ref
 
 
