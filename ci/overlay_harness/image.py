@@ -118,6 +118,7 @@ def ensure_standin(layout: Layout) -> str:
     if image_exists(layout, ref):
         return ref
     logs = layout.logs
+    layout.build.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="standin-", dir=layout.build) as tmp:
         work = Path(tmp)
         run_logged(
