@@ -102,16 +102,14 @@ def cmd_manifest(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
+    """Labels from the manifest inside the wheel that goes into the image, not
+    from build/tree: after an interrupted build the two differ."""
     wheels = sorted(layout.dist.glob("*.whl"))
     if len(wheels) != 1:
         raise OverlayError(
             f"{layout.dist} holds {len(wheels)} wheels, not one", "run ./build.sh first"
         )
-    data = manifest.read_manifest(layout.tree)
-    if data["version"] not in wheels[0].name:
-        raise OverlayError(
-            f"build/tree is not the tree of {wheels[0].name}", "run ./build.sh again"
-        )
+    data = manifest.read_wheel_manifest(wheels[0])
     return shlex.join(manifest.image_args(data, wheels[0].name))
 
 

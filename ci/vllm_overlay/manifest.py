@@ -8,11 +8,14 @@ values as OCI labels (``labels``).
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import sha256_of
 from vllm_overlay.pin import Pin
 from vllm_overlay.series import Patch
@@ -69,6 +72,30 @@ def read_manifest(tree: Path) -> dict:
         [sys.executable, str(tree / MODULE)], capture_output=True, text=True, check=True
     ).stdout
     return json.loads(out)
+
+
+def read_wheel_manifest(wheel: Path) -> dict:
+    """The manifest inside a built wheel, read without installing or running
+    it: the one payload literal the generated module passes to json.loads."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            source = archive.read(MODULE).decode()
+    except (OSError, zipfile.BadZipFile, KeyError) as e:
+        raise OverlayError(
+            f"{wheel}: no readable {MODULE} ({e})", "run ./build.sh again"
+        ) from e
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["MANIFEST"]
+            and isinstance(node.value, ast.Call)
+            and len(node.value.args) == 1
+            and isinstance(node.value.args[0], ast.Constant)
+        ):
+            return json.loads(node.value.args[0].value)
+    raise OverlayError(
+        f"{wheel}: {MODULE} holds no MANIFEST literal", "run ./build.sh again"
+    )
 
 
 def labels(manifest: dict) -> dict[str, str]:
