@@ -40,11 +40,18 @@ class PatchFit:
     in_sequence: apply.FitReport
 
 
-def find_release(version: str, wheel_tag: str, index_url: str | None = None) -> Release:
-    """Name and sha256 of a release's files, as the index lists them."""
-    entries = {
-        e["filename"]: e for e in list_files(index_url or default_index_url(), "vllm")
-    }
+def find_release(
+    version: str,
+    wheel_tag: str,
+    index_url: str | None = None,
+    project: str = "vllm",
+) -> Release:
+    """Name and sha256 of a release's files, as the index lists them: the
+    sdist of vllm, the wheel of ``project`` (the pin's wheel project)."""
+    index_url = index_url or default_index_url()
+    entries = {e["filename"]: e for e in list_files(index_url, "vllm")}
+    if project != "vllm":
+        entries.update((e["filename"], e) for e in list_files(index_url, project))
 
     def pinned(filename: str) -> PinnedFile | None:
         entry = entries.get(filename)
@@ -58,7 +65,8 @@ def find_release(version: str, wheel_tag: str, index_url: str | None = None) -> 
             f"the package index has no sdist for vllm {version}",
             "check the version number",
         )
-    return Release(version, sdist, pinned(f"vllm-{version}-{wheel_tag}.whl"))
+    distribution = project.replace("-", "_")
+    return Release(version, sdist, pinned(f"{distribution}-{version}-{wheel_tag}.whl"))
 
 
 def fit_series(
@@ -142,7 +150,8 @@ def write_rebased(
     """Refresh the patches that apply into ``out``; return those needing a human."""
     if release.wheel is None:
         raise OverlayError(
-            f"no {pin.wheel_tag} wheel of vllm {release.version} on the package index",
+            f"no {pin.wheel_tag} wheel of {pin.wheel_project} {release.version} "
+            "on the package index",
             "pick a release with a wheel",
         )
     human = [
@@ -187,7 +196,7 @@ def dry_run(
     results: dict[str, dict[str, PatchFit]] = {}
     needs_human: dict[str, list[str]] = {}
     for version in versions:
-        release = find_release(version, pin.wheel_tag)
+        release = find_release(version, pin.wheel_tag, project=pin.wheel_project)
         releases[version] = release
         sdist = fetch(release.sdist, cache_dir)
         scratch = work / version
