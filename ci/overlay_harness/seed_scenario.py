@@ -120,15 +120,17 @@ class Report:
 
 
 class Subscriber:
-    """A real ZMQ SUB socket on 127.0.0.1 decoding the stock schema.
+    """A real ZMQ SUB socket decoding the stock schema.
 
-    It binds a free port chosen by the OS; the publisher connects to
-    ``endpoint`` (vLLM 0.33.0 connects for an endpoint with a concrete host).
+    By default it binds a free port on 127.0.0.1 chosen by the OS and the
+    publisher connects to ``endpoint`` (vLLM 0.33.0 connects for an endpoint
+    with a concrete host); with ``connect`` it connects to a bound publisher.
     Malformed messages are counted in ``decode_errors``, every message's
     sequence number is kept in ``seqs``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, connect: str | None = None) -> None:
+        """``connect``: subscribe to a publisher bound there instead."""
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
@@ -137,8 +139,12 @@ class Subscriber:
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if connect is not None:
+            self.sock.connect(connect)
+            self.endpoint = connect
+        else:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._decode_error = msgspec.DecodeError
         self.decode_errors = 0

