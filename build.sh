@@ -5,18 +5,28 @@
 #   ./build.sh                 assemble: official wheel + patched files (default)
 #   ./build.sh --python-only   vLLM's own python-only build (CUDA torch venv)
 #   ./build.sh --from-source   vLLM's own build, compiling the CUDA kernels
+#   ./build.sh --target NAME   another target: targets/NAME/pin.toml and the
+#                              series it names (README, "Targets")
 set -euo pipefail
 cd "$(dirname "$0")"
 
-case "${1:-}" in
-  "") mode=assemble ;;
-  --python-only) mode=python-only ;;
-  --from-source) mode=from-source ;;
-  *) echo "usage: ./build.sh [--python-only | --from-source]" >&2; exit 2 ;;
-esac
+usage="usage: ./build.sh [--python-only | --from-source] [--target NAME]"
+mode=assemble
+target=()
+while (($#)); do
+  case "$1" in
+    --python-only) mode=python-only ;;
+    --from-source) mode=from-source ;;
+    --target)
+      [[ $# -ge 2 && -n $2 ]] || { echo "$usage" >&2; exit 2; }
+      target=(--target "$2"); shift ;;
+    *) echo "$usage" >&2; exit 2 ;;
+  esac
+  shift
+done
 
 step() { printf '==> %s\n' "$*" >&2; }
-overlay() { ci/overlay "$@"; }
+overlay() { ci/overlay "${target[@]}" "$@"; }
 trap 'echo "interrupted; dist/ was left as it was" >&2; exit 130' INT
 
 . ci/prerequisites.sh
@@ -25,9 +35,10 @@ step "check the checkout (pin, series, overlay)"
 overlay check >&2
 step "fetch and verify the official wheel"
 official=$(overlay fetch-wheel)
+series=$(overlay series-dir)
 step "lay a fresh upstream tree"
 tree=$(overlay prepare-tree)
-step "apply patches/series"
+step "apply $series/series"
 tree=$(overlay apply-series "$tree")
 step "copy overlay/"
 tree=$(overlay copy-overlay "$tree")

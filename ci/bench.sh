@@ -18,7 +18,7 @@ step() { printf '==> %s\n' "$*" >&2; }
 
 step "build"
 ./build.sh >/dev/null
-python=$(PYTHONPATH=ci python3 -m overlay_harness.testenv dist/*.whl)
+python=$(PYTHONPATH=ci python3 -m overlay_harness.testenv dist/vllm-*.whl)
 pristine=$(ci/overlay pristine-tree)
 step "KV-event benchmarks: build/tree vs $pristine"
 "$python" ci/bench/run_all.py --patched-tree build/tree --unpatched-tree "$pristine" \

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 step() { printf '==> %s\n' "$*" >&2; }
+# Every target: the main pin, then each targets/NAME/pin.toml (README, "Targets").
+targets=()
+for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); done
 
 # Everything the run needs, before 10 minutes of build and tests: quilt runs
 # in the tests (the series must be quilt's), build.sh checks the rest again.
@@ -13,7 +16,11 @@ prerequisites 10 quilt patch git
 
 step "build"
 ./build.sh
-wheel=$(ls dist/*.whl)
+for t in "${targets[@]}"; do
+  step "build --target $t"
+  ./build.sh --target "$t"
+done
+wheel=$(ls dist/vllm-*.whl)
 step "test environment with $(basename "$wheel")"
 python=$(PYTHONPATH=ci python3 -m overlay_harness.testenv "$wheel")
 step "lint: series, DEP-3 headers, ruff"
@@ -21,6 +28,10 @@ ci/overlay lint
 "$python" -m ruff check ci tests
 "$python" -m ruff format --check ci tests
 ci/overlay lint-upstream build/tree --python "$python"
+for t in "${targets[@]}"; do
+  ci/overlay --target "$t" lint
+  ci/overlay --target "$t" lint-upstream "build/targets/$t/tree" --python "$python"
+done
 step "project tests"
 "$python" -m pytest tests
 step "upstream tests and the overlay's new tests, vs the unpatched baseline"

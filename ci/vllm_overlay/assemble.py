@@ -171,9 +171,9 @@ def assemble_wheel(
     official: Path, tree: Path, touched: set[str], pin: Pin, out_dir: Path, epoch: int
 ) -> Path:
     """Write the overlay wheel of ``tree`` into ``out_dir``."""
-    old_info = f"vllm-{pin.version}.dist-info/"
-    new_info = f"vllm-{pin.overlay_version}.dist-info/"
-    target = out_dir / f"vllm-{pin.overlay_version}-{pin.wheel_tag}.whl"
+    old_info = f"{pin.distribution}-{pin.version}.dist-info/"
+    new_info = f"{pin.distribution}-{pin.overlay_version}.dist-info/"
+    target = out_dir / pin.overlay_wheel_name
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     writer = _RawZipWriter(partial, epoch)

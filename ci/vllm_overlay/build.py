@@ -68,6 +68,13 @@ def build_wheel(
         return assemble_wheel(
             official_wheel, tree, touched, pin, out_dir, source_date_epoch
         )
+    if pin.wheel_project != "vllm":
+        # setup.py builds the "vllm" distribution for the torch it finds; the
+        # build venv's is CUDA, so its wheel is not this target's.
+        raise OverlayError(
+            f"--{mode} builds vLLM's CUDA wheel, not {pin.wheel_project} ({pin.path})",
+            "build this target with the default route: ./build.sh --target NAME",
+        )
     if mode == "from-source":
         _check_cuda_toolkit()
     python = build_env(pin, build_requirements, cache_dir, log_dir)
@@ -147,7 +154,7 @@ def _retag(
         log_dir / "retag.log",
         env=env,
     )
-    expected = wheel.parent / f"vllm-{pin.overlay_version}-{pin.wheel_tag}.whl"
+    expected = wheel.parent / pin.overlay_wheel_name
     if not expected.exists():
         raise OverlayError(
             f"retagging {wheel.name} did not produce {expected.name}",

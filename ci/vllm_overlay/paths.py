@@ -1,4 +1,12 @@
-"""Where things live in a checkout. Everything generated is git-ignored."""
+"""Where things live in a checkout, per target. Everything generated is
+git-ignored.
+
+A target is a pin: the main one is ``pin.toml``, another is
+``targets/NAME/pin.toml``. The pin names its series and overlay folders;
+a named target's generated files live under ``build/targets/NAME/``, and
+every target publishes into the one ``dist/``. Every command takes its
+paths from here, so each works for every target unchanged.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +15,32 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.pin import load_pin
+
 
 @dataclass(frozen=True)
 class Layout:
     root: Path
+    target: str = ""  # "" is the main target (pin.toml)
 
     @property
     def pin(self) -> Path:
+        if self.target:
+            return self.targets / self.target / "pin.toml"
         return self.root / "pin.toml"
 
     @property
+    def targets(self) -> Path:
+        return self.root / "targets"
+
+    @property
     def patches(self) -> Path:
-        return self.root / "patches"
+        return self.root / load_pin(self.pin).series
 
     @property
     def overlay(self) -> Path:
-        return self.root / "overlay"
+        return self.root / load_pin(self.pin).overlay
 
     @property
     def build_requirements(self) -> Path:
@@ -31,6 +49,10 @@ class Layout:
     @property
     def test_requirements(self) -> Path:
         return self.root / "ci" / "requirements-test.txt"
+
+    @property
+    def serve_requirements(self) -> Path:
+        return self.root / "ci" / "requirements-serve.txt"
 
     @property
     def cache(self) -> Path:
@@ -42,6 +64,8 @@ class Layout:
 
     @property
     def build(self) -> Path:
+        if self.target:
+            return self.root / "build" / "targets" / self.target
         return self.root / "build"
 
     @property
@@ -77,8 +101,24 @@ class Layout:
         return self.root / "dist"
 
 
-def default_layout() -> Layout:
-    return Layout(Path(__file__).resolve().parents[2])
+def default_layout(target: str = "") -> Layout:
+    return target_layout(Path(__file__).resolve().parents[2], target)
+
+
+def target_layout(root: Path, target: str) -> Layout:
+    """The layout of ``target`` in the checkout at ``root``; a named target
+    must have its pin."""
+    layout = Layout(root, target)
+    if target and not layout.pin.is_file():
+        known = sorted(p.parent.name for p in layout.targets.glob("*/pin.toml"))
+        raise OverlayError(
+            f"no target {target!r}: {layout.pin} does not exist",
+            "use one of: "
+            + ", ".join(f"--target {k}" for k in known)
+            + (" or " if known else "")
+            + "no --target (the main target, pin.toml)",
+        )
+    return layout
 
 
 def copy_checkout(layout: Layout, dest: Path, cache: Path | None) -> Layout:
@@ -95,4 +135,4 @@ def copy_checkout(layout: Layout, dest: Path, cache: Path | None) -> Layout:
         shutil.copy2(layout.root / rel, dest / rel)
     if cache is not None:
         (dest / ".cache").symlink_to(cache)
-    return Layout(dest)
+    return Layout(dest, layout.target)

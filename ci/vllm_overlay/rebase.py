@@ -55,11 +55,18 @@ class PatchFit:
     failed_hunks: tuple[tuple[str, str], ...] = field(default=())
 
 
-def find_release(version: str, wheel_tag: str, index_url: str | None = None) -> Release:
-    """Name and sha256 of a release's files, as the index lists them."""
-    entries = {
-        e["filename"]: e for e in list_files(index_url or default_index_url(), "vllm")
-    }
+def find_release(
+    version: str,
+    wheel_tag: str,
+    index_url: str | None = None,
+    project: str = "vllm",
+) -> Release:
+    """Name and sha256 of a release's files, as the index lists them: the
+    sdist of vllm, the wheel of ``project`` (the pin's wheel project)."""
+    index_url = index_url or default_index_url()
+    entries = {e["filename"]: e for e in list_files(index_url, "vllm")}
+    if project != "vllm":
+        entries.update((e["filename"], e) for e in list_files(index_url, project))
 
     def pinned(filename: str) -> PinnedFile | None:
         entry = entries.get(filename)
@@ -73,7 +80,8 @@ def find_release(version: str, wheel_tag: str, index_url: str | None = None) -> 
             f"the package index has no sdist for vllm {version}",
             "check the version number",
         )
-    return Release(version, sdist, pinned(f"vllm-{version}-{wheel_tag}.whl"))
+    distribution = project.replace("-", "_")
+    return Release(version, sdist, pinned(f"{distribution}-{version}-{wheel_tag}.whl"))
 
 
 def extract_files(sdist: Path, files: set[str], dest: Path) -> None:
@@ -315,10 +323,11 @@ def dry_run(
         for version in versions:
             _refuse_to_overwrite(work / version)
     for version in versions:
-        release = find_release(version, pin.wheel_tag)
+        release = find_release(version, pin.wheel_tag, project=pin.wheel_project)
         if write and release.wheel is None:
             raise OverlayError(
-                f"no {pin.wheel_tag} wheel of vllm {version} on the package index",
+                f"no {pin.wheel_tag} wheel of {pin.wheel_project} {version} on "
+                "the package index",
                 "pick a release with a wheel, or run without --write",
             )
         releases[version] = release

