@@ -538,6 +538,50 @@ def test_emit_cached_block_events_follows_copy_semantics(policy):
     assert events[0].parent_block_hash is None
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_upstream_emit_cached_block_events_case_per_policy(policy):
+    """Upstream's ``test_emit_cached_block_events`` (test_prefix_caching.py),
+    whose pool takes the default "logical" and so now sees no event: the
+    same case under each policy, upstream's expectation under "last_copy"
+    and "physical"."""
+    block_size, num_cached_blocks, group = 4, 3, 1
+    pool = BlockPool(
+        num_gpu_blocks=8,
+        enable_caching=True,
+        hash_block_size=block_size,
+        enable_kv_cache_events=True,
+        kv_events_copy_semantics=policy,
+    )
+    req = Request(
+        request_id="req_emit_cached",
+        prompt_token_ids=list(range(block_size * 4)),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+        session_id="agent-session-reuse",
+    )
+    free_before = pool.get_num_free_blocks()
+    pool.emit_cached_block_events(req, num_cached_blocks, block_size, group)
+    assert pool.get_num_free_blocks() == free_before
+    assert len(pool.cached_block_hash_to_block) == 0
+    events = pool.take_events()
+    if policy == "logical":
+        assert events == []
+        return
+    [event] = events
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == [ext(h) for h in req.block_hashes[:3]]
+    assert event.parent_block_hash is None
+    assert event.token_ids == req.all_token_ids[: num_cached_blocks * block_size]
+    assert (event.group_idx, event.block_size, event.medium) == (
+        group,
+        block_size,
+        MEDIUM_GPU,
+    )
+    assert (event.lora_id, event.lora_name) == (None, None)
+    assert event.session_id == "agent-session-reuse"
+
+
 # -------------------------------------------------- partial-prefix keys
 
 HASH_BLOCK = 2
