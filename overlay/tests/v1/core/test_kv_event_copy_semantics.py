@@ -189,8 +189,8 @@ def test_copy_semantics_config_rejects_unknown_value():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_publisher_factory_accepts_copy_semantics(policy):
-    """The field is read by the block pools, not passed to the publisher."""
+def test_publisher_factory_reports_copy_semantics(policy):
+    """The ZMQ publisher reports the configured value back to clients."""
     config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
@@ -200,6 +200,7 @@ def test_publisher_factory_accepts_copy_semantics(policy):
     publisher = EventPublisherFactory.create(config)
     try:
         assert isinstance(publisher, ZmqEventPublisher)
+        assert publisher.get_publisher_config().copy_semantics == policy
     finally:
         publisher.shutdown()
 
@@ -520,16 +521,65 @@ def test_move_block_hashes_emits_nothing_and_keeps_copies(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_emit_cached_block_events_re_announces(policy):
+def test_emit_cached_block_events_follows_copy_semantics(policy):
+    """The per-request report of reused keys re-announces resident keys, so
+    "logical" (a store on a key's first copy only) sends nothing."""
     pool = make_pool(policy)
     req = make_request("r", tokens(2))
     cache(pool, req, pool.get_new_blocks(2))
     pool.take_events()
     pool.emit_cached_block_events(req, 2, BLOCK_SIZE, 0)
     events = pool.take_events()
+    if policy == "logical":
+        assert events == []
+        return
     assert len(events) == 1
     assert events[0].block_hashes == [ext(x) for x in req.block_hashes]
     assert events[0].parent_block_hash is None
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_upstream_emit_cached_block_events_case_per_policy(policy):
+    """Upstream's ``test_emit_cached_block_events`` (test_prefix_caching.py),
+    whose pool takes the default "logical" and so now sees no event: the
+    same case under each policy, upstream's expectation under "last_copy"
+    and "physical"."""
+    block_size, num_cached_blocks, group = 4, 3, 1
+    pool = BlockPool(
+        num_gpu_blocks=8,
+        enable_caching=True,
+        hash_block_size=block_size,
+        enable_kv_cache_events=True,
+        kv_events_copy_semantics=policy,
+    )
+    req = Request(
+        request_id="req_emit_cached",
+        prompt_token_ids=list(range(block_size * 4)),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+        session_id="agent-session-reuse",
+    )
+    free_before = pool.get_num_free_blocks()
+    pool.emit_cached_block_events(req, num_cached_blocks, block_size, group)
+    assert pool.get_num_free_blocks() == free_before
+    assert len(pool.cached_block_hash_to_block) == 0
+    events = pool.take_events()
+    if policy == "logical":
+        assert events == []
+        return
+    [event] = events
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == [ext(h) for h in req.block_hashes[:3]]
+    assert event.parent_block_hash is None
+    assert event.token_ids == req.all_token_ids[: num_cached_blocks * block_size]
+    assert (event.group_idx, event.block_size, event.medium) == (
+        group,
+        block_size,
+        MEDIUM_GPU,
+    )
+    assert (event.lora_id, event.lora_name) == (None, None)
+    assert event.session_id == "agent-session-reuse"
 
 
 # -------------------------------------------------- partial-prefix keys
