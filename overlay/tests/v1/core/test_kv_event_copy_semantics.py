@@ -189,8 +189,8 @@ def test_copy_semantics_config_rejects_unknown_value():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_publisher_factory_accepts_copy_semantics(policy):
-    """The field is read by the block pools, not passed to the publisher."""
+def test_publisher_factory_reports_copy_semantics(policy):
+    """The ZMQ publisher reports the configured value back to clients."""
     config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
@@ -200,6 +200,7 @@ def test_publisher_factory_accepts_copy_semantics(policy):
     publisher = EventPublisherFactory.create(config)
     try:
         assert isinstance(publisher, ZmqEventPublisher)
+        assert publisher.get_publisher_config().copy_semantics == policy
     finally:
         publisher.shutdown()
 
@@ -520,13 +521,18 @@ def test_move_block_hashes_emits_nothing_and_keeps_copies(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_emit_cached_block_events_re_announces(policy):
+def test_emit_cached_block_events_follows_copy_semantics(policy):
+    """The per-request report of reused keys re-announces resident keys, so
+    "logical" (a store on a key's first copy only) sends nothing."""
     pool = make_pool(policy)
     req = make_request("r", tokens(2))
     cache(pool, req, pool.get_new_blocks(2))
     pool.take_events()
     pool.emit_cached_block_events(req, 2, BLOCK_SIZE, 0)
     events = pool.take_events()
+    if policy == "logical":
+        assert events == []
+        return
     assert len(events) == 1
     assert events[0].block_hashes == [ext(x) for x in req.block_hashes]
     assert events[0].parent_block_hash is None

@@ -1,0 +1,277 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""KV events of the OffloadingConnector tier follow ``copy_semantics``.
+
+Two requests that share their first block but not their second offload two
+chunks of two blocks each: the shared block's hash is then held by both
+chunks, two copies of one hash on the CPU tier. Per
+``KVEventsConfig.copy_semantics`` the tier announces it once ("logical") or
+per chunk ("last_copy", "physical", as upstream), and removes it when the
+last chunk holding it leaves ("logical", "last_copy") or per chunk
+("physical"). A connector reset removes what the tier announced.
+
+Upstream's own tests of the tracker build its config directly, whose
+default keeps upstream's stream ("physical"), so they run unchanged; the
+engine passes the configured value, which these tests check through
+``OffloadingConnector`` built as the engine builds it (local model config,
+scheduler role, real ``CPUOffloadingManager``). Stores are driven the way the
+connector's scheduler drives them: ``prepare_store``, ``record_store``,
+``complete_store``.
+"""
+
+import json
+from collections import Counter
+
+import pytest
+
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    MAX_MODEL_LEN,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    BLOCK_SIZE,
+    _make_kv_cache_config,
+)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.config.kv_events import KVEventsConfig
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.utils.math_utils import round_up
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    maybe_convert_block_hash,
+)
+from vllm.v1.kv_offload.base import (
+    OffloadingKVEventsConfig,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.request import Request
+
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
+
+POLICIES = ("logical", "last_copy", "physical")
+BLOCKS_PER_CHUNK = 2
+CPU_CHUNKS = 3
+
+
+@pytest.fixture(autouse=True)
+def _init_none_hash():
+    init_none_hash(sha256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_opt")
+    (path / "config.json").write_text(json.dumps(TINY_OPT_CONFIG))
+    return str(path)
+
+
+@pytest.fixture
+def connectors():
+    built: list[OffloadingConnector] = []
+    yield built
+    for connector in built:
+        connector.shutdown()
+
+
+def make_connector(
+    built: list[OffloadingConnector], model_dir: str, policy: str | None
+) -> OffloadingConnector:
+    """The scheduler side of the OffloadingConnector as the engine builds it,
+    with room for ``CPU_CHUNKS`` chunks of ``BLOCKS_PER_CHUNK`` blocks;
+    ``policy`` None: the events config's default."""
+    chunk_bytes = round_up(
+        _BYTES_PER_BLOCK * BLOCKS_PER_CHUNK, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    )
+    kv_events_config = (
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if policy is None
+        else KVEventsConfig(
+            enable_kv_cache_events=True, publisher="null", copy_semantics=policy
+        )
+    )
+    vllm_config = VllmConfig(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            max_model_len=MAX_MODEL_LEN,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        model_config=tiny_model_config(model_dir),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": chunk_bytes * CPU_CHUNKS,
+                "blocks_per_chunk": BLOCKS_PER_CHUNK,
+                "self_describing_kv_events": True,
+            },
+        ),
+        kv_events_config=kv_events_config,
+        device_config=DeviceConfig("cpu"),
+    )
+    connector = OffloadingConnector(
+        vllm_config, KVConnectorRole.SCHEDULER, _make_kv_cache_config(16)
+    )
+    built.append(connector)
+    return connector
+
+
+def make_request(request_id: str, first: int, second: int) -> Request:
+    """Two full blocks (tokens ``first`` then ``second``) and one token."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=[first] * BLOCK_SIZE + [second] * BLOCK_SIZE + [1],
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+
+
+def wire(request: Request) -> list:
+    return [maybe_convert_block_hash(h) for h in request.block_hashes]
+
+
+class Tier:
+    """Drives the connector's CPU tier and checks its stream after each step:
+    a set-style and a counting consumer against the hashes the resident
+    chunks hold."""
+
+    def __init__(self, connector: OffloadingConnector, policy: str) -> None:
+        self.connector = connector
+        self.scheduler = connector.scheduler
+        self.group = self.scheduler.config.kv_group_configs[0]
+        self.policy = policy
+        # Resident chunks: offload key -> the request whose chunk it is.
+        self.chunks: dict = {}
+        self.keys: set = set()
+        self.counts: Counter = Counter()
+        self.events: list = []
+
+    def store(self, request: Request) -> None:
+        """Offload the request's first chunk, as ``_build_store_jobs`` does."""
+        key = make_offload_key(request.block_hashes[BLOCKS_PER_CHUNK - 1], 0)
+        ctx = ReqContext(req_id=request.request_id)
+        manager = self.scheduler.manager
+        output = manager.prepare_store([key], ctx)
+        assert output is not None and output.keys_to_store == [key]
+        for evicted in output.evicted_keys:
+            del self.chunks[evicted]
+        self.scheduler._events_tracker.record_store(request, self.group, 0, key)
+        manager.complete_store([key], ctx)
+        self.chunks[key] = request
+
+    def holds(self, request: Request) -> bool:
+        return any(req is request for req in self.chunks.values())
+
+    def take(self) -> list:
+        self.events = list(self.connector.take_events())
+        for event in self.events:
+            assert event.medium == MEDIUM_CPU
+            for block_hash in event.block_hashes:
+                if isinstance(event, BlockStored):
+                    self.keys.add(block_hash)
+                    self.counts[block_hash] += 1
+                else:
+                    assert isinstance(event, BlockRemoved)
+                    # Under "physical" a set-style consumer has dropped the
+                    # hash at its first copy's removal already.
+                    if self.policy != "physical":
+                        assert block_hash in self.keys, "removal of an unknown hash"
+                    self.keys.discard(block_hash)
+                    self.counts[block_hash] -= 1
+                    assert self.counts[block_hash] >= 0
+                    if not self.counts[block_hash]:
+                        del self.counts[block_hash]
+        held = Counter(h for req in self.chunks.values() for h in wire(req))
+        if self.policy != "physical":
+            assert self.keys == set(held)
+        if self.policy != "last_copy":
+            assert self.counts == (
+                Counter(set(held)) if self.policy == "logical" else held
+            )
+        return self.events
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_chunks_sharing_a_hash_follow_copy_semantics(model_dir, connectors, policy):
+    tier = Tier(make_connector(connectors, model_dir, policy), policy)
+    a, b = make_request("a", 1, 2), make_request("b", 1, 3)
+    assert a.block_hashes[0] == b.block_hashes[0]
+
+    tier.store(a)
+    [stored] = tier.take()
+    assert stored.block_hashes == wire(a) and stored.parent_block_hash is None
+
+    tier.store(b)
+    [stored] = tier.take()
+    if policy == "logical":
+        # Only the new hash, with its own parent and tokens.
+        assert stored.block_hashes == wire(b)[1:]
+        assert stored.parent_block_hash == wire(b)[0]
+        assert stored.token_ids == b.all_token_ids[BLOCK_SIZE : 2 * BLOCK_SIZE]
+    else:
+        assert stored.block_hashes == wire(b)
+        assert stored.token_ids == b.all_token_ids[: 2 * BLOCK_SIZE]
+
+    # Two more chunks fill the tier; the next evicts a's chunk (LRU).
+    tier.store(make_request("c", 4, 5))
+    tier.take()
+    tier.store(make_request("d", 6, 7))
+    [removed] = [e for e in tier.take() if isinstance(e, BlockRemoved)]
+    assert not tier.holds(a)
+    if policy == "physical":
+        assert removed.block_hashes == wire(a)
+    else:
+        # b's chunk still holds the shared hash.
+        assert removed.block_hashes == wire(a)[1:]
+
+    # The reset empties the CPU tier: consumers drop what it announced.
+    tier.connector.reset_cache()
+    tier.chunks.clear()
+    removals = tier.take()
+    assert removals and all(isinstance(e, BlockRemoved) for e in removals)
+    assert not tier.keys
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_stores_before_a_reset_are_removed_by_it(model_dir, connectors, policy):
+    """Stores not yet taken when the connector resets are published before
+    the reset's removals, which cover them."""
+    tier = Tier(make_connector(connectors, model_dir, policy), policy)
+    a = make_request("a", 1, 2)
+    tier.store(a)
+    tier.connector.reset_cache()
+    tier.chunks.clear()
+    stored, removed = tier.take()
+    assert isinstance(stored, BlockStored) and stored.block_hashes == wire(a)
+    assert isinstance(removed, BlockRemoved)
+    assert sorted(removed.block_hashes) == sorted(wire(a))
+
+
+def test_engine_passes_copy_semantics_default_logical(model_dir, connectors):
+    for policy in (*POLICIES, None):
+        connector = make_connector(connectors, model_dir, policy)
+        config = connector.scheduler._events_tracker.config
+        assert config.copy_semantics == (policy or "logical")
+    # Built directly (upstream's unit tests, third-party code): upstream's
+    # stream.
+    assert OffloadingKVEventsConfig(True, True).copy_semantics == "physical"
