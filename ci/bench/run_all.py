@@ -1,4 +1,4 @@
-"""Run the KV-event benchmarks (block pool, event volume, router accuracy).
+"""Run the KV-event benchmarks (block pool, hit look-up, event volume, router).
 
 One command: each bench starts one worker process per tree (patched and
 unpatched vLLM source trees, ``PYTHONPATH=<tree>``, the given Python), the
@@ -26,6 +26,7 @@ from typing import Any
 
 import bench_block_pool
 import bench_events
+import bench_hit_lookup
 import bench_router
 import benchlib as bl
 
@@ -415,6 +416,7 @@ def make_plots(results: dict[str, Any], out: Path) -> list[str]:
 
 BENCHES: dict[str, Any] = {
     "block_pool": bench_block_pool,
+    "hit_lookup": bench_hit_lookup,
     "events": bench_events,
     "router": bench_router,
 }
@@ -468,6 +470,9 @@ def drive_main(argv: list[str]) -> int:
             shared=shared,
             per_process=a.repeats_per_process,
         )
+        results["hit_lookup"] = bench_hit_lookup.drive(
+            a.python, patched, unpatched, repeats, a.quick, shared=shared
+        )
         results["events"] = bench_events.drive(
             a.python, patched, unpatched, a.quick, shared=shared
         )
@@ -479,6 +484,7 @@ def drive_main(argv: list[str]) -> int:
             w.close()
     for name, res in results.items():
         (a.out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    bench_hit_lookup.write_report(results["hit_lookup"], a.out)
     plots = make_plots(results, a.out)
     lines = [
         "# KV-event benchmarks" + (" (quick smoke run)" if a.quick else ""),
@@ -499,6 +505,7 @@ def drive_main(argv: list[str]) -> int:
         + "`",
         "",
         *block_pool_section(results["block_pool"]),
+        *bench_hit_lookup.report_lines(results["hit_lookup"]),
         *events_section(results["events"]),
         *router_section(results["router"]),
         *provenance_lines(
