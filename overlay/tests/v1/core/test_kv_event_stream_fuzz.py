@@ -414,10 +414,26 @@ class Run:
 
 
 # Requests asking for kv_cache_report_mode="full" are one edge; runs without
-# them show the other edges on their own.
-@pytest.mark.parametrize("report_full", [False, True], ids=["plain", "report_full"])
+# them show the other edges on their own. The report is checked under
+# "logical" only: that is the policy whose stream no request may change
+# (0002). Under "last_copy" and "physical" the report keeps upstream's
+# re-announcement of reused keys, which a counting mirror counts again and
+# which, on a sliding-window or Mamba group, can name a key no pool holds
+# (README, "The engine fix": a known gap, not a guarantee).
+_CASES = [
+    (policy, report_full)
+    for policy in ("logical", "last_copy", "physical")
+    for report_full in (False, True)
+    if policy == "logical" or not report_full
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "report_full"),
+    _CASES,
+    ids=[f"{p}-{'report_full' if r else 'plain'}" for p, r in _CASES],
+)
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_event_stream_mirrors_match_every_pool(
     model_dir, config, policy, seed, report_full
