@@ -89,7 +89,11 @@ def test_pinned_torch_is_the_official_wheels() -> None:
 
 def test_built_wheel_passes_the_check() -> None:
     result = wheelcheck.compare(
-        _built_wheel(), _official(), REPO.tree, overlay.touched_files(REPO)
+        _built_wheel(),
+        _official(),
+        REPO.tree,
+        overlay.touched_files(REPO),
+        PIN.overlay_version,
     )
     assert result.problems(PIN.wheel_tag) == []
     assert _built_wheel().name == f"vllm-{PIN.overlay_version}-{PIN.wheel_tag}.whl"
@@ -148,7 +152,7 @@ def _rewrite(src: Path, dest: Path, edit) -> Path:
 def test_wheel_check_catches(tmp_path: Path, edit, problem: str) -> None:
     bad = _rewrite(_built_wheel(), tmp_path / _built_wheel().name, edit)
     problems = wheelcheck.compare(
-        bad, _official(), REPO.tree, overlay.touched_files(REPO)
+        bad, _official(), REPO.tree, overlay.touched_files(REPO), PIN.overlay_version
     ).problems(PIN.wheel_tag)
     assert any(problem in p for p in problems), problems
 
