@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -56,6 +57,9 @@ def _patch(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProces
         ],
         capture_output=True,
         text=True,
+        # The fit is read from patch's messages ("with fuzz", "offset"),
+        # which a translated locale would word otherwise.
+        env={**os.environ, "LC_ALL": "C"},
     )
 
 
