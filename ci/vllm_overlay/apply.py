@@ -115,8 +115,9 @@ def apply_patch(tree: Path, patch: Patch) -> None:
 
 
 def apply_loosely(tree: Path, patch: Patch) -> None:
-    """Apply with quilt's tolerance (offset, fuzz); only for the workspace,
-    whose export then records the exact fit."""
+    """Apply with offset and up to 3 lines of fuzz (one more than quilt's
+    default of 2); only for the workspace, whose export then records the
+    exact fit."""
     result = _patch(tree, patch.path, "--fuzz=3", "--quiet")
     if result.returncode != 0:
         raise OverlayError(
