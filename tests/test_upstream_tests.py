@@ -256,7 +256,8 @@ def test_expected_new_tests_end_to_end(tmp_path: Path) -> None:
     new = {
         "test_a.py": "def test_a():\n    pass\n",
         "test_b.py": "def test_b():\n    pass\n",
-        "test_c.py": "def test_c1():\n    pass\ndef test_c2():\n    pass\n",
+        "test_c.py": "import pytest\ndef test_c1():\n    pass\n"
+        "@pytest.mark.parametrize('x', ['a b'])\ndef test_c2(x):\n    pass\n",
     }
     for name, text in new.items():
         (tree / "tests" / "new" / name).write_text(text)
@@ -290,13 +291,13 @@ def test_expected_new_tests_end_to_end(tmp_path: Path) -> None:
         "tests/new/test_a.py::test_a",
         "tests/new/test_b.py::test_b",
         "tests/new/test_c.py::test_c1",
-        "tests/new/test_c.py::test_c2",
+        "tests/new/test_c.py::test_c2[a b]",
     ]
     (tree / "tests" / "new" / "test_a.py").write_text("")
     (tree / "tests" / "new" / "test_b.py").rename(tree / "tests" / "new" / "b.py")
     (tree / "tests" / "new" / "test_c.py").write_text(
-        "import pytest\ndef test_c1():\n    pass\n"
-        "@pytest.mark.skip('off')\ndef test_c2():\n    pass\n"
+        "import pytest\ndef test_c1():\n    pass\n@pytest.mark.skip('off')\n"
+        "@pytest.mark.parametrize('x', ['a b'])\ndef test_c2(x):\n    pass\n"
     )
     extra_now = ["tests/new/test_a.py", "tests/new/test_c.py"]  # as test.sh finds them
     r = run(
@@ -308,7 +309,7 @@ def test_expected_new_tests_end_to_end(tmp_path: Path) -> None:
         "EXPECTED NEW TEST DID NOT PASS (missing, not collected, skipped or failed) (3):\n"
         "  tests/new/test_a.py::test_a\n"
         "  tests/new/test_b.py::test_b\n"
-        "  tests/new/test_c.py::test_c2  [skipped]"
+        "  tests/new/test_c.py::test_c2[a b]  [skipped]"
     ) in r.stdout
     assert "overlay_harness.upstream_tests expected --tree" in r.stdout
 

@@ -602,7 +602,10 @@ def collect_ids(
         check=False,
         timeout=600,
     )
-    ids = [ln for ln in proc.stdout.splitlines() if "::" in ln and " " not in ln]
+    # -q prints one node id a line (ids may hold spaces: parametrize values),
+    # then a blank line and the summary.
+    listing = proc.stdout.split("\n\n", 1)[0].splitlines()
+    ids = [ln for ln in listing if "::" in ln and not ln[:1].isspace()]
     if proc.returncode != 0 or not ids:
         raise HarnessError(
             f"collecting {' '.join(selection)} failed (pytest exit "
@@ -806,6 +809,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
         tree: Path = args.tree.resolve()
         python: Path = args.python.absolute()
+        if not python.is_file():
+            raise HarnessError(
+                f"{python}: no such interpreter; pass the test venv's python "
+                "(PYTHONPATH=ci python3 -m overlay_harness.testenv dist/*.whl "
+                "prints it)"
+            )
         if args.cmd == "expected":
             with tempfile.TemporaryDirectory(prefix="vllm-collect-") as tmp:
                 ids = collect_ids(tree, python, args.extra, Path(tmp))
