@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The benchmark command (README, "Benchmarks"); not part of the test run.
 # Writes docs/benchmarks/: the KV-event benchmarks (block-pool hot path,
-# event volume, router accuracy; patched build/tree vs the unpatched tree,
-# side by side in one run) and the build-route benchmark.
+# event volume, router accuracy, hit selection; patched build/tree vs the
+# unpatched tree, side by side in one run), the mutation suite
+# (docs/mutation.md) and the build-route benchmark.
 #   ci/bench.sh [--quick]     --quick: a smoke run, figures not meaningful
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,13 @@ pristine=$(ci/overlay pristine-tree)
 step "KV-event benchmarks: build/tree vs $pristine"
 "$python" ci/bench/run_all.py --patched-tree build/tree --unpatched-tree "$pristine" \
   --python "$python" --out docs/benchmarks "${quick[@]}"
+step "mutation suite: every behavioural mutant killed (docs/mutation.md)"
+if [ ${#quick[@]} -eq 0 ]; then
+  "$python" ci/bench/mutation.py --tree build/tree --python "$python" --out docs/mutation
+else
+  "$python" ci/bench/mutation.py --first-killer --tree build/tree --python "$python" \
+    --out "$(mktemp -d)/mutation"
+fi
 step "build routes"
 if [ ${#quick[@]} -eq 0 ]; then
   python3 ci/bench/bench_build.py --repeats 3 --cold 1 --out docs/benchmarks/build.json

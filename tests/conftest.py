@@ -3,10 +3,12 @@ pinned release where a synthetic one is not enough."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tempfile
 import textwrap
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,38 @@ def write_series(layout: Layout, patches: dict[str, str]) -> None:
 
 def dedent(text: str) -> str:
     return textwrap.dedent(text).lstrip()
+
+
+# A test file that collects no test passes silently: emptied, its tests
+# renamed out of test_*, or moved out of test_*.py. Each of these is turned
+# into a collection error here, so the run fails and names the file.
+_TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    if isinstance(collector, pytest.Module) and report.passed and not report.result:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{report.nodeid} collects no test: a test file must hold tests "
+            "(restore them, or delete the file)"
+        )
+    return report
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    hidden = sorted(
+        p.relative_to(_TESTS.parent).as_posix()
+        for p in _TESTS.rglob("*.py")
+        if not p.name.startswith("test_")
+        and p.name != "conftest.py"
+        and re.search(r"^(async )?def test_", p.read_text(), re.M)
+    )
+    if hidden:
+        raise pytest.UsageError(
+            f"{', '.join(hidden)} defines tests but is not a test_*.py file, "
+            "so pytest would not run them: rename it test_*.py"
+        )

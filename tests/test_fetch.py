@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import http.server
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,3 +89,38 @@ def test_tampered_cache_is_refused(tmp_path: Path, index: str) -> None:
 def test_file_not_on_index(tmp_path: Path, index: str) -> None:
     with pytest.raises(OverlayError, match="not listed by the package index"):
         fetch.fetch(PinnedFile("vllm-9.9.9.tar.gz", "0" * 64), tmp_path, index)
+
+
+@pytest.mark.parametrize("section", ["global", "download"])
+def test_index_from_pip_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, section: str
+) -> None:
+    """Without PIP_INDEX_URL, the index is the one pip's configuration names."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[{section}]\nindex-url = http://127.0.0.1:9/simple/\n")
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    assert fetch.default_index_url() == "http://127.0.0.1:9/simple"
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:8/simple")
+    assert fetch.default_index_url() == "http://127.0.0.1:8/simple"
+
+
+def test_the_build_line_imports_only_the_standard_library() -> None:
+    """README: the tooling needs Python alone (pip runs as a program)."""
+    package = Path(fetch.__file__).parent
+    foreign = set()
+    for source in package.glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            foreign |= {
+                f"{source.name}: {n}"
+                for n in names
+                if n.split(".")[0] not in sys.stdlib_module_names
+                and n.split(".")[0] not in ("vllm_overlay", "__future__")
+            }
+    assert not foreign

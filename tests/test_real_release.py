@@ -140,6 +140,7 @@ def test_built_wheel_passes_the_check(target: tuple[Layout, Pin]) -> None:
         _official(target),
         layout.tree,
         overlay.touched_files(layout),
+        overlay.labelled_pin(layout).overlay_version,
     )
     assert result.problems(pin.wheel_tag) == []
     version = overlay.labelled_pin(layout).overlay_version
@@ -211,7 +212,11 @@ def test_wheel_check_catches(
     built = _built_wheel(target)
     bad = _rewrite(built, tmp_path / built.name, edit)
     problems = wheelcheck.compare(
-        bad, _official(target), layout.tree, overlay.touched_files(layout)
+        bad,
+        _official(target),
+        layout.tree,
+        overlay.touched_files(layout),
+        overlay.labelled_pin(layout).overlay_version,
     ).problems(pin.wheel_tag)
     assert any(problem in p for p in problems), problems
 

@@ -7,6 +7,8 @@ interpreter running these tests (the project's test venv).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -226,3 +228,146 @@ def test_record_then_check_end_to_end(tmp_path: Path) -> None:
     )
     assert "MISSING: in the baseline, not in this run (2)" in r.stdout
     assert "new tests passing (1):\n  tests/test_s.py::test_p" in r.stdout
+
+
+def test_compare_with_expected_new_tests() -> None:
+    base = _base({"a": {"outcome": "passed"}})
+    expected = ["n1", "n2", "n3"]
+    cmp = ut.compare(
+        base, _res(a="passed", n1="passed", n2="skipped", n4="passed"), expected
+    )
+    assert cmp.expected_not_passed == ["n2", "n3"]  # skipped; never ran
+    assert cmp.unlisted == ["n4"]
+    assert not cmp.ok
+    assert ut.compare(
+        base, _res(a="passed", n1="passed", n2="passed", n3="passed"), expected
+    ).ok
+
+
+@pytest.mark.timeout(600)
+def test_expected_new_tests_end_to_end(tmp_path: Path) -> None:
+    """The new tests are recorded by collection; emptying one file, renaming
+    another out of test_*.py and skipping a test each fail the check, though
+    every test that did run passed."""
+    tree = tmp_path / "tree"
+    (tree / "tests" / "new").mkdir(parents=True)
+    (tree / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (tree / "tests" / "test_up.py").write_text("def test_up():\n    pass\n")
+    new = {
+        "test_a.py": "def test_a():\n    pass\n",
+        "test_b.py": "def test_b():\n    pass\n",
+        "test_c.py": "import pytest\ndef test_c1():\n    pass\n"
+        "@pytest.mark.parametrize('x', ['a b'])\ndef test_c2(x):\n    pass\n",
+    }
+    for name, text in new.items():
+        (tree / "tests" / "new" / name).write_text(text)
+    pkg_root = Path(ut.__file__).resolve().parent.parent
+    cli = [sys.executable, "-m", "overlay_harness.upstream_tests"]
+    common = ["--tree", str(tree), "--python", sys.executable]
+    extra = [f"tests/new/{n}" for n in new]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*cli, *args],
+            check=False,
+            cwd=pkg_root,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    base, listed = tmp_path / "base.json", tmp_path / "new-tests.txt"
+    up = ut.TestResult("tests/test_up.py::test_up", "passed", "", 0.0)
+    ut.write_baseline(
+        ut.RunResult(
+            {up.nodeid: up}, 0, 1.0, base, base, ("tests/test_up.py",), {}, {}
+        ),
+        base,
+        tree,
+    )
+    r = run("expected", *common, "--extra", *extra, "--out", str(listed))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [ln for ln in listed.read_text().splitlines() if "::" in ln] == [
+        "tests/new/test_a.py::test_a",
+        "tests/new/test_b.py::test_b",
+        "tests/new/test_c.py::test_c1",
+        "tests/new/test_c.py::test_c2[a b]",
+    ]
+    (tree / "tests" / "new" / "test_a.py").write_text("")
+    (tree / "tests" / "new" / "test_b.py").rename(tree / "tests" / "new" / "b.py")
+    (tree / "tests" / "new" / "test_c.py").write_text(
+        "import pytest\ndef test_c1():\n    pass\n@pytest.mark.skip('off')\n"
+        "@pytest.mark.parametrize('x', ['a b'])\ndef test_c2(x):\n    pass\n"
+    )
+    extra_now = ["tests/new/test_a.py", "tests/new/test_c.py"]  # as test.sh finds them
+    r = run(
+        "check", *common, "-q", "--baseline", str(base),
+        "--extra", *extra_now, "--expected", str(listed),
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (
+        "EXPECTED NEW TEST DID NOT PASS (missing, not collected, skipped or failed) (3):\n"
+        "  tests/new/test_a.py::test_a\n"
+        "  tests/new/test_b.py::test_b\n"
+        "  tests/new/test_c.py::test_c2[a b]  [skipped]"
+    ) in r.stdout
+    assert "overlay_harness.upstream_tests expected --tree" in r.stdout
+
+
+def test_a_test_file_without_tests_fails_the_project_run(tmp_path: Path) -> None:
+    """tests/conftest.py turns an empty test file into a collection error and
+    refuses a file that defines tests under a name pytest does not collect."""
+    suite = tmp_path / "tests"
+    suite.mkdir()
+    shutil.copy(Path(__file__).with_name("conftest.py"), suite)
+    (suite / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    (suite / "test_emptied.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(Path(ut.__file__).parents[1])}
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    r = run()
+    assert r.returncode != 0, r.stdout
+    assert "tests/test_emptied.py collects no test" in r.stdout
+    (suite / "test_emptied.py").unlink()
+    (suite / "renamed.py").write_text("def test_hidden():\n    pass\n")
+    r = run()
+    assert r.returncode != 0, r.stdout
+    assert "tests/renamed.py defines tests but is not a test_*.py file" in (
+        r.stdout + r.stderr
+    )
+    (suite / "renamed.py").unlink()
+    assert run().returncode == 0
+
+
+def test_version_drift() -> None:
+    baseline = {"vllm": "0.33.0", "pytest": "9.2.0", "torch": "2.13.0+cpu"}
+    run = {
+        "vllm": "0.33.0+overlay.1",
+        "pytest": "9.0.3",
+        "torch": "2.13.0+cpu",
+        "hypothesis": "6.170.17",
+    }
+    assert ut.version_drift(baseline, run) == [
+        "hypothesis 6.170.17: not recorded in the baseline",
+        "pytest: baseline 9.2.0, this run 9.0.3",
+    ]
+    assert ut.version_drift(baseline, {**baseline, "vllm": "0.33.0+overlay.1"}) == []
+
+
+def test_every_pinned_test_requirement_is_recorded() -> None:
+    pins = [
+        line
+        for line in ut.TEST_REQUIREMENTS.read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert all("==" in p for p in pins), "pin every test requirement exactly"
+    assert ut.recorded_distributions()[3:] == [p.split("==")[0] for p in pins]

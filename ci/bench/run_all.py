@@ -1,4 +1,5 @@
-"""Run the KV-event benchmarks (block pool, hit look-up, event volume, router).
+"""Run the KV-event benchmarks (block pool, hit look-up, event volume,
+router accuracy, hit selection).
 
 One command: each bench starts one worker process per tree (patched and
 unpatched vLLM source trees, ``PYTHONPATH=<tree>``, the given Python), the
@@ -19,7 +20,9 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -318,6 +321,55 @@ def provenance_lines(
 
 
 # --------------------------------------------------------------------------
+# hit selection (README "Hit selection"): its own script, on the patched tree,
+# which compares the two look-ups in one process; both traces of the README.
+# --------------------------------------------------------------------------
+
+HIT_SELECTION_TRACES = {"pressure": (24, 120), "little_pressure": (8, 160)}
+
+
+def hit_selection(python: Path, tree: Path, quick: bool) -> dict[str, Any]:
+    here = Path(__file__).resolve().parent
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (families, blocks) in HIT_SELECTION_TRACES.items():
+            dest = Path(tmp) / f"{name}.json"
+            args = ["--families", str(families), "--num-blocks", str(blocks)]
+            args += ["--seeds", "1", "--requests", "40"] if quick else []
+            subprocess.run(
+                [str(python), str(here / "bench_hit_selection.py"), *args]
+                + ["--json", str(dest)],
+                env={
+                    **os.environ,
+                    "PYTHONPATH": f"{tree.resolve()}:{here}",
+                    "HF_HUB_OFFLINE": "1",
+                },
+                stdout=subprocess.DEVNULL,
+                check=True,
+            )
+            out[name] = {"families": families, "num_blocks": blocks}
+            out[name] |= json.loads(dest.read_text())
+    return out
+
+
+def hit_selection_section(hs: dict[str, Any]) -> list[str]:
+    out = [
+        "## 4. Hit selection: first copy (0.33.0) vs a copy in use (0004)",
+        "",
+        "`bench_hit_selection.py` on the patched tree, both look-ups in one "
+        "process; medians over seeds.",
+        "",
+        "| trace | metric | first | referenced |",
+        "|---|---|---|---|",
+    ]
+    for name, trace in hs.items():
+        label = f"{name}: {trace['families']} families, {trace['num_blocks']} blocks"
+        for metric, v in trace["summary"].items():
+            out.append(f"| {label} | {metric} | {v['first']:g} | {v['referenced']:g} |")
+    return [*out, ""]
+
+
+# --------------------------------------------------------------------------
 # plots
 # --------------------------------------------------------------------------
 
@@ -482,7 +534,8 @@ def drive_main(argv: list[str]) -> int:
     finally:
         for w in shared.values():
             w.close()
-    for name, res in results.items():
+    hits = hit_selection(a.python, patched, a.quick)
+    for name, res in [*results.items(), ("hit_selection", hits)]:
         (a.out / f"{name}.json").write_text(json.dumps(res, indent=1))
     bench_hit_lookup.write_report(results["hit_lookup"], a.out)
     plots = make_plots(results, a.out)
@@ -508,6 +561,7 @@ def drive_main(argv: list[str]) -> int:
         *bench_hit_lookup.report_lines(results["hit_lookup"]),
         *events_section(results["events"]),
         *router_section(results["router"]),
+        *hit_selection_section(hits),
         *provenance_lines(
             results,
             digest_before,

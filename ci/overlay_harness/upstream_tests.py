@@ -5,7 +5,9 @@ Usage::
     python -m overlay_harness.upstream_tests record --tree T --python P --out B.json
     python -m overlay_harness.upstream_tests check --tree T --python P \
         --baseline B.json \
-        [--extra tests/v1/core/test_new.py ...]
+        [--extra tests/v1/core/test_new.py ... --expected ci/overlay-tests.txt]
+    python -m overlay_harness.upstream_tests expected --tree T --python P \
+        --extra tests/v1/core/test_new.py ... --out ci/overlay-tests.txt
     python -m overlay_harness.upstream_tests report --baseline B.json --out NOT_RUN.md
 
 ``T`` is an upstream source tree (unpatched or patched), ``P`` the python of a
@@ -23,7 +25,12 @@ venv where the matching vLLM wheel is installed.  The steps:
    non-pass, a reason derived from the failure text by ``REASON_PATTERNS``);
    ``check`` compares: a baseline pass that does not pass now, a baseline
    node id missing from the run, and a new node id that does not pass are
-   each an error (exit 1).
+   each an error (exit 1); so is, with ``--expected``, a recorded node id of
+   the new tests that did not pass (missing, not collected, skipped, failed)
+   and a new node id that is not recorded there. The recorded list is what
+   makes an emptied, renamed or uncollectable new test file fail: without
+   it, a test that never ran is not a result at all. ``expected`` writes
+   that list by collecting the ``--extra`` paths (``pytest --collect-only``).
 
 Stdlib only: this module runs under any Python 3.11, not only the test venv.
 """
@@ -35,6 +42,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -125,13 +133,28 @@ _SITE_CHECK: Final = (
     "  'site': sorted(dirs), 'python': sys.version.split()[0]}))\n"
 )
 _VERSIONS_CHECK: Final = (
-    "import json, importlib.metadata as m\n"
+    "import json, sys, importlib.metadata as m\n"
     "out = {}\n"
-    "for d in ('vllm', 'torch', 'pytest', 'pytest-xdist', 'transformers'):\n"
+    "for d in sys.argv[1:]:\n"
     "    try: out[d] = m.version(d)\n"
     "    except m.PackageNotFoundError: out[d] = None\n"
     "print(json.dumps(out))\n"
 )
+# The test environment's pins (the runner, its plugins), recorded with the
+# baseline together with the engine's own versions.
+TEST_REQUIREMENTS: Final = Path(__file__).resolve().parents[1] / "requirements-test.txt"
+ENGINE_DISTRIBUTIONS: Final = ("vllm", "torch", "transformers")
+
+
+def recorded_distributions(requirements: Path = TEST_REQUIREMENTS) -> list[str]:
+    """The distributions whose versions a run records: the engine's and every
+    pinned test requirement."""
+    names = [
+        re.split(r"[=<>!~ \[;]", line.strip(), maxsplit=1)[0]
+        for line in requirements.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    return [*ENGINE_DISTRIBUTIONS, *names]
 
 
 class HarnessError(Exception):
@@ -235,7 +258,7 @@ def check_vllm_import(python: Path, test_tree: Path, env: Mapping[str, str]) -> 
 
 def _versions(python: Path, env: Mapping[str, str]) -> dict[str, str | None]:
     proc = subprocess.run(
-        [str(python), "-c", _VERSIONS_CHECK],
+        [str(python), "-c", _VERSIONS_CHECK, *recorded_distributions()],
         env=dict(env),
         capture_output=True,
         text=True,
@@ -492,13 +515,27 @@ class Comparison:
     new_not_passed: list[str]  # not in baseline, did not pass
     new_passed: list[str]
     fixed: list[str]  # baseline not passed, passes now
+    expected_not_passed: list[str] = dataclasses.field(default_factory=list)
+    unlisted: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.regressions or self.missing or self.new_not_passed)
+        return not (
+            self.regressions
+            or self.missing
+            or self.new_not_passed
+            or self.expected_not_passed
+            or self.unlisted
+        )
 
 
-def compare(baseline: Baseline, results: Mapping[str, TestResult]) -> Comparison:
+def compare(
+    baseline: Baseline,
+    results: Mapping[str, TestResult],
+    expected: Sequence[str] | None = None,
+) -> Comparison:
+    """``expected``: the recorded node ids of the new tests (``--expected``);
+    each must pass, and every new node id must be one of them."""
     regressions, missing, fixed = [], [], []
     for nodeid, entry in sorted(baseline.tests.items()):
         r = results.get(nodeid)
@@ -511,7 +548,88 @@ def compare(baseline: Baseline, results: Mapping[str, TestResult]) -> Comparison
     new = sorted(set(results) - set(baseline.tests))
     new_not = [n for n in new if results[n].outcome != "passed"]
     new_ok = [n for n in new if results[n].outcome == "passed"]
-    return Comparison(regressions, missing, new_not, new_ok, fixed)
+    if expected is None:
+        return Comparison(regressions, missing, new_not, new_ok, fixed)
+    expected_not = [
+        n
+        for n in sorted(expected)
+        if n not in results or results[n].outcome != "passed"
+    ]
+    unlisted = sorted(set(new) - set(expected))
+    return Comparison(
+        regressions, missing, new_not, new_ok, fixed, expected_not, unlisted
+    )
+
+
+def load_expected(path: Path) -> list[str]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise HarnessError(
+            f"{path}: cannot read the expected node ids ({e}); write it with "
+            "'python -m overlay_harness.upstream_tests expected'"
+        ) from e
+    ids = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+    if not ids:
+        raise HarnessError(f"{path}: lists no node ids")
+    return ids
+
+
+def collect_ids(
+    tree: Path, python: Path, selection: Sequence[str], work: Path
+) -> list[str]:
+    """The node ids pytest collects from ``selection`` in the test tree."""
+    test_tree = build_test_tree(tree, work / "test-tree")
+    env = _run_env(test_tree)
+    check_vllm_import(python, test_tree, env)
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-p",
+            "overlay_harness.pytest_cpu",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            "-q",
+            *selection,
+        ],
+        cwd=test_tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    # -q prints one node id a line (ids may hold spaces: parametrize values),
+    # then a blank line and the summary.
+    listing = proc.stdout.split("\n\n", 1)[0].splitlines()
+    ids = [ln for ln in listing if "::" in ln and not ln[:1].isspace()]
+    if proc.returncode != 0 or not ids:
+        raise HarnessError(
+            f"collecting {' '.join(selection)} failed (pytest exit "
+            f"{proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+        )
+    return sorted(ids)
+
+
+def version_drift(
+    baseline: Mapping[str, object], run: Mapping[str, str | None]
+) -> list[str]:
+    """Versions of this run that are not the baseline's. vLLM is compared
+    without its local label: the overlay wheel is the pinned release plus the
+    series, and the baseline ran the official one."""
+    out = []
+    for name in sorted(set(baseline) | set(run)):
+        then, now = baseline.get(name), run.get(name)
+        if name == "vllm" and isinstance(then, str) and now is not None:
+            then, now = then.split("+")[0], now.split("+")[0]
+        if name not in baseline:
+            out.append(f"{name} {now}: not recorded in the baseline")
+        elif then != now:
+            out.append(f"{name}: baseline {then}, this run {now}")
+    return out
 
 
 def _first_line(text: str, width: int = 160) -> str:
@@ -546,6 +664,16 @@ def format_comparison(
     section("REGRESSION: passed in the baseline, not now", cmp.regressions, True)
     section("MISSING: in the baseline, not in this run", cmp.missing, False)
     section("NEW TEST NOT PASSING", cmp.new_not_passed, True)
+    section(
+        "EXPECTED NEW TEST DID NOT PASS (missing, not collected, skipped or failed)",
+        cmp.expected_not_passed,
+        True,
+    )
+    section(
+        "NEW TEST NOT IN THE EXPECTED LIST (re-run 'expected' and commit the list)",
+        cmp.unlisted,
+        False,
+    )
     section("new tests passing", cmp.new_passed, False)
     section(
         "now passing, not in the baseline (re-record the baseline?)", cmp.fixed, False
@@ -595,6 +723,26 @@ def render_report(baseline: Baseline) -> str:
 # CLI
 
 
+def _expected_command(tree: Path, python: Path, extra: Sequence[str], out: Path) -> str:
+    return shlex.join(
+        [
+            "PYTHONPATH=ci",
+            str(python),
+            "-m",
+            "overlay_harness.upstream_tests",
+            "expected",
+            "--tree",
+            str(tree),
+            "--python",
+            str(python),
+            "--extra",
+            *extra,
+            "--out",
+            str(out),
+        ]
+    )
+
+
 def _work_dir(arg: str | None) -> tuple[Path, bool]:
     if arg:
         return Path(arg).resolve(), False
@@ -635,6 +783,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
             p.add_argument(
                 "--extra", nargs="*", default=[], help="more test paths (new tests)"
             )
+            p.add_argument(
+                "--expected",
+                type=Path,
+                help="recorded node ids of the new tests: each must pass",
+            )
+    p = sub.add_parser("expected", help="record the node ids of the new tests")
+    p.add_argument("--tree", required=True, type=Path, help="patched vLLM tree")
+    p.add_argument("--python", required=True, type=Path, help="python of the venv")
+    p.add_argument("--extra", nargs="+", required=True, help="new test paths")
+    p.add_argument("--out", required=True, type=Path)
     p = sub.add_parser("report")
     p.add_argument("--baseline", required=True, type=Path)
     p.add_argument("--out", type=Path, help="write here instead of stdout")
@@ -651,8 +809,25 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
         tree: Path = args.tree.resolve()
         python: Path = args.python.absolute()
+        if not python.is_file():
+            raise HarnessError(
+                f"{python}: no such interpreter; pass the test venv's python "
+                "(PYTHONPATH=ci python3 -m overlay_harness.testenv dist/*.whl "
+                "prints it)"
+            )
+        if args.cmd == "expected":
+            with tempfile.TemporaryDirectory(prefix="vllm-collect-") as tmp:
+                ids = collect_ids(tree, python, args.extra, Path(tmp))
+            command = _expected_command(args.tree, args.python, args.extra, args.out)
+            args.out.write_text(
+                "# Node ids of the overlay's new tests; each must pass in 'check'.\n"
+                f"# Written by: {command}\n" + "".join(f"{i}\n" for i in ids)
+            )
+            print(f"{len(ids)} node ids written: {args.out}")
+            return 0
         if args.cmd == "check":
             base = load_baseline(args.baseline)
+            expected = load_expected(args.expected) if args.expected else None
             selection = [*base.selection, *args.extra]
         else:
             selection = list(args.selection)
@@ -671,13 +846,28 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"baseline written: {args.out}: {meta['counts']}, {meta['wall_s']} s")
             ok = True
         else:
-            cmp = compare(base, run.results)
+            cmp = compare(base, run.results, expected)
             if base.meta.get("env") != run.env:
                 print(
                     "warning: run environment differs from the baseline's: "
                     f"baseline {base.meta.get('env')}, now {run.env}"
                 )
+            drift = version_drift(dict(base.meta.get("versions", {})), run.versions)  # type: ignore[call-overload]
+            if drift:
+                print(
+                    "VERSION DRIFT between the baseline and this run (outcomes "
+                    "may differ for that reason alone; pin the baseline's "
+                    "versions in ci/requirements-test.txt, or re-record the "
+                    "baseline on the unpatched tree):\n  " + "\n  ".join(drift)
+                )
             print(format_comparison(cmp, run.results, base))
+            if cmp.unlisted or cmp.expected_not_passed:
+                print(
+                    "if the new tests changed on purpose, record them: "
+                    + _expected_command(
+                        args.tree, args.python, args.extra, args.expected
+                    )
+                )
             print(f"pytest wall time {run.wall_s:.0f} s; junit {run.junit}")
             ok = cmp.ok
         if is_temp and ok:

@@ -149,6 +149,7 @@ def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
         args.official,
         args.tree,
         overlay.touched_files(layout),
+        pin.overlay_version,
         pin.wheel_tag,
     )
     return str(args.wheel)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -56,6 +57,9 @@ def _patch(tree: Path, patch: Path, *options: str) -> subprocess.CompletedProces
         ],
         capture_output=True,
         text=True,
+        # The fit is read from patch's messages ("with fuzz", "offset"),
+        # which a translated locale would word otherwise.
+        env={**os.environ, "LC_ALL": "C"},
     )
 
 
@@ -113,8 +117,9 @@ def apply_patch(tree: Path, patch: Patch) -> None:
 
 
 def apply_loosely(tree: Path, patch: Patch) -> None:
-    """Apply with quilt's tolerance (offset, fuzz); only for the workspace,
-    whose export then records the exact fit."""
+    """Apply with offset and up to 3 lines of fuzz (one more than quilt's
+    default of 2); only for the workspace, whose export then records the
+    exact fit."""
     result = _patch(tree, patch.path, "--fuzz=3", "--quiet")
     if result.returncode != 0:
         raise OverlayError(

@@ -1,9 +1,10 @@
 """Fetch a pinned release file into the download cache and verify it.
 
 Files come from the Python package index through its standard simple API
-(PEP 691 JSON): the index pip itself uses (``PIP_INDEX_URL`` or pip's
-default), so no host name is written down here. A file is written to the
-cache only after its sha256 matched, and checked again on every use.
+(PEP 691 JSON): the index pip itself uses (``PIP_INDEX_URL``, pip's
+configuration, or pip's default), so no host name is written down here. A
+file is written to the cache only after its sha256 matched, and checked
+again on every use.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -30,12 +32,59 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+# pip's configuration keys for the index, most specific first: the
+# environment, then the download command's section, then the global one.
+_INDEX_KEYS = (":env:.index-url", "download.index-url", "global.index-url")
+# pip's built-in default, asked of pip itself so no host name is written here.
+_PIP_DEFAULT = "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"
+
+
+def _pip(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    )
+    if proc.returncode != 0:
+        raise OverlayError(
+            f"{sys.executable} -m pip {' '.join(args[:2])} failed: "
+            f"{proc.stderr.strip()[-500:]}",
+            "install pip for this Python (python3 -m ensurepip), or set "
+            "PIP_INDEX_URL to the package index",
+        )
+    return proc.stdout
+
+
 def default_index_url() -> str:
+    """The index pip itself would use: ``PIP_INDEX_URL``, else pip's
+    configuration (``pip config list``: its files and ``PIP_*`` variables),
+    else pip's default. pip runs as a program, so this module stays stdlib."""
     if url := os.environ.get("PIP_INDEX_URL"):
         return url.rstrip("/")
-    from pip._internal.models.index import PyPI  # pip's own default index
+    configured = dict(
+        line.split("=", 1)
+        for line in _pip("config", "list").splitlines()
+        if "=" in line
+    )
+    for key in _INDEX_KEYS:
+        if key in configured:
+            return configured[key].strip().strip("'\"").rstrip("/")
+    return _pip_default_index()
 
-    return PyPI.simple_url.rstrip("/")
+
+def _pip_default_index() -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PIP_DEFAULT], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise OverlayError(
+            f"cannot ask pip for its default index: {proc.stderr.strip()[-500:]}",
+            "install pip for this Python (python3 -m ensurepip), or set "
+            "PIP_INDEX_URL to the package index",
+        )
+    return proc.stdout.strip().rstrip("/")
 
 
 def list_files(index_url: str, project: str) -> list[dict]:

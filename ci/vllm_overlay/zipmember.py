@@ -24,14 +24,18 @@ def raw_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     return fp.read(info.compress_size)
 
 
-def same_member(a: zipfile.ZipFile, b: zipfile.ZipFile, name: str) -> bool:
-    """Whether member ``name`` has the same contents in both archives.
+def same_member(
+    a: zipfile.ZipFile, b: zipfile.ZipFile, name: str, name_in_b: str | None = None
+) -> bool:
+    """Whether member ``name`` of ``a`` has the contents of ``name_in_b``
+    (default: the same name) of ``b``.
 
     Equal compressed streams under one method inflate to equal contents, so a
     member copied raw from the other archive is settled without inflating
     it; any other pair with matching size and CRC is compared inflated.
     """
-    ia, ib = a.getinfo(name), b.getinfo(name)
+    other = name if name_in_b is None else name_in_b
+    ia, ib = a.getinfo(name), b.getinfo(other)
     if (ia.file_size, ia.CRC) != (ib.file_size, ib.CRC):
         return False
     if (ia.compress_type, ia.compress_size) == (
@@ -39,4 +43,4 @@ def same_member(a: zipfile.ZipFile, b: zipfile.ZipFile, name: str) -> bool:
         ib.compress_size,
     ) and raw_member(a, ia) == raw_member(b, ib):
         return True
-    return a.read(name) == b.read(name)
+    return a.read(name) == b.read(other)
