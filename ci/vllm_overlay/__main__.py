@@ -143,7 +143,7 @@ def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
+    pin = overlay.labelled_pin(layout)
     wheelcheck.check_wheel(
         args.wheel,
         args.official,
