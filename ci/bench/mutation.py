@@ -79,9 +79,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "hit-first-copy",
         "a hit takes the first copy inserted, not one in use",
         BLOCK_POOL,
-        "                    if block.ref_cnt > 0:\n"
-        "                        return block\n",
-        "",
+        "                referenced = self.referenced_copies.get(key)\n",
+        "                referenced = None\n",
     ),
     Mutant(
         "move-drops-key",
