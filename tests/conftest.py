@@ -16,6 +16,20 @@ import pytest
 from vllm_overlay.paths import Layout, default_layout
 
 REPO = default_layout()
+
+
+def built_wheel(layout: Layout = REPO) -> Path:
+    """The wheel ./build.sh published for ``layout``'s target, by the name the
+    build gives it (the series-derived version), or a failure saying how to
+    make it."""
+    from vllm_overlay.overlay import labelled_pin
+
+    wheel = layout.dist / labelled_pin(layout).overlay_wheel_name
+    flag = f" --target {layout.target}" if layout.target else ""
+    assert wheel.is_file(), f"run ./build.sh{flag} first: dist/ has no {wheel.name}"
+    return wheel
+
+
 PATCH_HEADER = """\
 Description: test patch
 Author: Test <test@example.invalid>

@@ -28,25 +28,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, built_wheel
 from overlay_harness.serve_env import serve_env
 from overlay_harness.server_scenario import EXPECTED
 from vllm_overlay.paths import target_layout
-from vllm_overlay.pin import load_pin
 
 CPU = target_layout(REPO.root, "vllm-cpu")
-CPU_PIN = load_pin(CPU.pin)
 # Start-up takes 95-190 s on a loaded 2-core machine; this bounds a hang.
 SCENARIO_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
 def serve_python() -> Path:
-    wheel = CPU.dist / CPU_PIN.overlay_wheel_name
-    assert wheel.is_file(), (
-        f"dist/ has no {wheel.name}: run ./build.sh --target vllm-cpu first"
-    )
-    return serve_env(wheel)
+    return serve_env(built_wheel(CPU))
 
 
 @pytest.mark.real_release

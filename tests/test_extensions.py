@@ -10,19 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, built_wheel
 from overlay_harness import extensions
 from vllm_overlay import fetch
 from vllm_overlay.pin import load_pin
 
 pytestmark = pytest.mark.real_release
 PIN = load_pin(REPO.pin)
-
-
-def _built_wheel() -> Path:
-    wheels = sorted(REPO.dist.glob("*.whl"))
-    assert len(wheels) == 1, "run ./build.sh first: dist/ must hold one wheel"
-    return wheels[0]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def official(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_compiled_module_loads_and_registers_its_ops(
     official: Path, tmp_path: Path
 ) -> None:
-    wheel = _built_wheel()
+    wheel = built_wheel()
     modules = extensions.compiled_modules(fetch.fetch(PIN.wheel, REPO.downloads))
     ours = extensions.compiled_modules(wheel).keys()
     assert ours == modules.keys(), (

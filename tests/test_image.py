@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, built_wheel
 from overlay_harness import extensions, image
 from vllm_overlay import manifest
 
@@ -21,9 +21,7 @@ TAG = "localhost/vllm-overlay-test:latest"
 
 @pytest.fixture(scope="module")
 def wheel() -> Path:
-    wheels = sorted(REPO.dist.glob("*.whl"))
-    assert len(wheels) == 1, "run ./build.sh first: dist/ must hold one wheel"
-    return wheels[0]
+    return built_wheel()
 
 
 @pytest.fixture(scope="module")

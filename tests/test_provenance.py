@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, built_wheel
 from overlay_harness import extensions, testenv
 from vllm_overlay import fetch, manifest, overlay, series
 from vllm_overlay.fetch import sha256_of
@@ -71,7 +71,7 @@ def test_image_args_carry_the_manifest(installed: dict, tmp_path: Path) -> None:
     """The labels describe the wheel in dist/, even when build/tree was
     stamped by a build that never got to publish (killed at "build the
     wheel" after a change to the series)."""
-    (wheel,) = REPO.dist.glob("*.whl")
+    wheel = built_wheel()
     copy = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
     copy.dist.mkdir()
     shutil.copy2(wheel, copy.dist / wheel.name)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, built_wheel
 from vllm_overlay import apply, fetch, overlay, series, source, wheelcheck, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout, target_layout
@@ -34,15 +34,11 @@ TARGETS = ["", *sorted(p.parent.name for p in REPO.targets.glob("*/pin.toml"))]
 @pytest.fixture(scope="module", params=TARGETS, ids=lambda t: t or "main")
 def target(request: pytest.FixtureRequest) -> tuple[Layout, Pin]:
     layout = target_layout(REPO.root, request.param)
-    return layout, load_pin(layout.pin)
+    return layout, overlay.labelled_pin(layout)
 
 
 def _built_wheel(target: tuple[Layout, Pin]) -> Path:
-    layout, pin = target
-    wheel = layout.dist / pin.overlay_wheel_name
-    flag = f" --target {layout.target}" if layout.target else ""
-    assert wheel.is_file(), f"run ./build.sh{flag} first: dist/ has no {wheel.name}"
-    return wheel
+    return built_wheel(target[0])
 
 
 def _official(target: tuple[Layout, Pin]) -> Path:
@@ -140,12 +136,11 @@ def test_built_wheel_passes_the_check(target: tuple[Layout, Pin]) -> None:
         _official(target),
         layout.tree,
         overlay.touched_files(layout),
-        overlay.labelled_pin(layout).overlay_version,
+        pin.overlay_version,
     )
     assert result.problems(pin.wheel_tag) == []
-    version = overlay.labelled_pin(layout).overlay_version
     assert _built_wheel(target).name == (
-        f"{pin.distribution}-{version}-{pin.wheel_tag}.whl"
+        f"{pin.distribution}-{pin.overlay_version}-{pin.wheel_tag}.whl"
     )
 
 
@@ -216,7 +211,7 @@ def test_wheel_check_catches(
         _official(target),
         layout.tree,
         overlay.touched_files(layout),
-        overlay.labelled_pin(layout).overlay_version,
+        pin.overlay_version,
     ).problems(pin.wheel_tag)
     assert any(problem in p for p in problems), problems
 

@@ -122,7 +122,9 @@ def editor(tmp_path: Path) -> Path:
 
 
 def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
-    original = {p.name: p.read_bytes() for p in checkout.patches.iterdir()}
+    original = {
+        p.name: p.read_bytes() for p in checkout.patches.iterdir() if p.is_file()
+    }
     names = series.read_series(checkout.patches)
 
     # Refresh: a stale context line makes 0003 need fuzz. The build's hint

@@ -17,25 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, built_wheel
 from vllm_overlay import fetch, overlay, wheelcheck
 from vllm_overlay.assemble import _RawZipWriter
-from vllm_overlay.pin import load_pin
 from vllm_overlay.zipmember import raw_member
 
 pytestmark = pytest.mark.real_release
-PIN = load_pin(REPO.pin)
+PIN = overlay.labelled_pin(REPO)  # the version the build gives the wheel
 INFO = f"vllm-{PIN.overlay_version}.dist-info/"
 
 RECORD = INFO + "RECORD"
 # change(data) -> the member's new bytes, or None to drop it
 Change = Callable[[bytes], bytes | None]
-
-
-def _built_wheel() -> Path:
-    wheels = sorted(REPO.dist.glob("*.whl"))
-    assert len(wheels) == 1, "run ./build.sh first: dist/ must hold one wheel"
-    return wheels[0]
 
 
 def _row(name: str, data: bytes) -> list[str]:
@@ -50,7 +43,7 @@ def _damage(
     and the ``add`` members appended; with ``resign``, RECORD is rewritten to
     match the new bytes first (a change to RECORD applies after that).
     Unchanged members are copied raw, so a copy takes a second."""
-    with zipfile.ZipFile(_built_wheel()) as src:
+    with zipfile.ZipFile(built_wheel()) as src:
         rows = list(csv.reader(io.StringIO(src.read(RECORD).decode())))
         writer = _RawZipWriter(dest, 315532800)
         changed: dict[str, bytes | None] = dict(add)
@@ -224,21 +217,21 @@ def test_wheel_check_catches_damage(
     resign: bool,
     problem: str,
 ) -> None:
-    bad = _damage(tmp_path / _built_wheel().name, target, change, add, resign)
+    bad = _damage(tmp_path / built_wheel().name, target, change, add, resign)
     problems = _problems(bad)
     assert any(problem in p for p in problems), problems
 
 
 def test_wheel_check_catches_a_renamed_wheel(tmp_path: Path) -> None:
-    renamed = tmp_path / _built_wheel().name.replace(PIN.overlay_version, "0.0.1")
-    renamed.symlink_to(_built_wheel())
+    renamed = tmp_path / built_wheel().name.replace(PIN.overlay_version, "0.0.1")
+    renamed.symlink_to(built_wheel())
     assert _problems(renamed) == [
-        f"wheel file name {renamed.name} is not {_built_wheel().name}"
+        f"wheel file name {renamed.name} is not {built_wheel().name}"
     ]
 
 
 def test_an_undamaged_copy_passes(tmp_path: Path) -> None:
     """The damage helper alone changes nothing the check sees, so each case
     above is caught for its damage only."""
-    copy = _damage(tmp_path / _built_wheel().name, "", lambda d: d, {}, True)
+    copy = _damage(tmp_path / built_wheel().name, "", lambda d: d, {}, True)
     assert _problems(copy) == []
