@@ -417,6 +417,34 @@ def test_fully_resident_batch_emits_no_store(policy):
         assert stored_hashes(events) == [ext(x) for x in req.block_hashes]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_masked_out_blocks_are_neither_cached_nor_stored(policy):
+    """A block the group's mask leaves out (a sliding-window block that can
+    never serve a hit) stays out of the index and out of BlockStored, alone
+    and when a resident key splits the batch into runs."""
+    pool = make_pool(policy)
+    req = make_request("r", tokens(4))
+    h = [ext(x) for x in req.block_hashes]
+    # A copy of H4 is resident, so under "logical" the batch is split.
+    cache(pool, req, [pool.null_block] * 3 + pool.get_new_blocks(1), 3)
+    pool.take_events()
+
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(
+        request=req,
+        blocks=blocks,
+        num_cached_blocks=0,
+        num_full_blocks=4,
+        block_size=BLOCK_SIZE,
+        kv_cache_group_id=0,
+        block_mask=[True, False, True, True],
+    )
+    assert blocks[1].block_hash is None
+    assert stored_hashes(pool.take_events()) == (
+        [h[0], h[2]] if policy == "logical" else [h[0], h[2], h[3]]
+    )
+
+
 def test_logical_store_splits_into_runs_with_aligned_fields():
     """Resident keys in the middle of a batch split it into contiguous runs."""
     pool = make_pool("logical", num_blocks=20)
