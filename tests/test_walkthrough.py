@@ -121,10 +121,13 @@ def editor(tmp_path: Path) -> Path:
     return script
 
 
+def _patch_files(layout: Layout) -> dict[str, bytes]:
+    """The series' files; a folder beside them is another target's series."""
+    return {p.name: p.read_bytes() for p in layout.patches.iterdir() if p.is_file()}
+
+
 def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
-    original = {
-        p.name: p.read_bytes() for p in checkout.patches.iterdir() if p.is_file()
-    }
+    original = _patch_files(checkout)
     names = series.read_series(checkout.patches)
 
     # Refresh: a stale context line makes 0003 need fuzz. The build's hint
@@ -141,7 +144,7 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
         line.split("  #")[0].strip() for line in readme_blocks()["refresh"]
     ]
     run_block(checkout, "refresh", [], editor)
-    assert {p.name: p.read_bytes() for p in checkout.patches.iterdir()} == original
+    assert _patch_files(checkout) == original
 
     # Conflict: 0004 removes a line that is no longer there. The human keeps
     # the patch's side of the markers; export gives back the same 0004.
@@ -154,7 +157,7 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
     assert stopped.returncode == 1
     assert f"{names[3]} does not apply" in stopped.stderr
     assert "conflict markers in vllm/" in stopped.stderr
-    assert {p.name: p.read_bytes() for p in checkout.patches.iterdir()} == original
+    assert _patch_files(checkout) == original
 
     # Add: a new file, committed as 0005 with the header filled in.
     note = ws / "vllm" / "overlay_walkthrough_note.py"
@@ -165,7 +168,7 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
         editor,
     )
     after_add = series.load_series(checkout.patches)
-    assert [p.name for p in after_add] == [*names, "0005-short-name.patch"]
+    assert [p.name for p in after_add] == [*names, "0006-short-name.patch"]
     assert after_add[-1].header["Description"].startswith("note which overlay")
     assert after_add[-1].targets == ("vllm/overlay_walkthrough_note.py",)
     for name in names:
@@ -185,8 +188,9 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
     assert f"{names[1]}: conflict" in written.stdout
     assert "vllm/v1/core/block_pool.py  @@ " in written.stdout
     assert f"stopped: {names[1]} does not apply" in written.stderr
-    assert "3 later patches wait" in written.stderr  # 0003-0005 unrefreshed
+    # the patches after 0002, the added one included, unrefreshed
+    assert f"{len(names) - 1} later patches wait" in written.stderr
     rebased = series.load_series(checkout.patches)
-    assert [p.name for p in rebased] == [*names, "0005-short-name.patch"]
+    assert [p.name for p in rebased] == [*names, "0006-short-name.patch"]
     assert 'version = "0.32.0"' in checkout.pin.read_text()
     assert (checkout.tree / "vllm" / "overlay_walkthrough_note.py").is_file()
