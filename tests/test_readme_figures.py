@@ -29,38 +29,78 @@ def _pct(a: float, b: float) -> str:
     return f"{(b - a) / a * 100:+.1f} %"
 
 
+def _dup_first() -> dict:
+    return json.loads((DOCS / "benchmarks" / "dup_first.json").read_text())
+
+
 def test_hit_selection_table_is_the_benchmark_output() -> None:
-    hs = json.loads((DOCS / "benchmarks" / "hit_selection.json").read_text())
-    p, q = hs["pressure"], hs["little_pressure"]
+    hs = _dup_first()
+    p, q = hs["summary"]["families_high"], hs["summary"]["families_low"]
 
     def pair(trace: dict, metric: str) -> tuple[float, float]:
-        return trace["summary"][metric]["first"], trace["summary"][metric]["referenced"]
+        return trace["upstream"][metric]["median"], trace["series"][metric]["median"]
 
+    runs = hs["runs"]["families_high"]
     fewer = [
         f["blocks_computed"] - r["blocks_computed"]
-        for f, r in zip(p["runs"]["first"], p["runs"]["referenced"], strict=True)
+        for f, r in zip(runs["upstream"], runs["series"], strict=True)
     ]
     assert min(fewer) >= 0, "README says never more"
     ht, bc = pair(p, "hit_tokens"), pair(p, "blocks_computed")
     cm, dk = pair(p, "copies_mean"), pair(p, "dup_keys_mean")
-    hr, mx = pair(q, "hit_rate"), pair(q, "copies_max")
+    hr = pair(q, "hit_rate")
+    mx = q["upstream"]["copies_max"]["max"], q["series"]["copies_max"]["max"]
+    traces = hs["traces"]
     expected = "\n".join(
         [
             "| trace | metric | first copy (0.33.0) | copy in use (0004) |",
             "|---|---|---|---|",
-            f"| {p['families']} families, {p['num_blocks']} blocks (pressure) | "
-            f"hit tokens | {ht[0]:g} | {ht[1]:g} ({_pct(*ht)}) |",
+            f"| 24 families, {traces['families_high']['num_blocks']} blocks "
+            f"(pressure) | hit tokens | {ht[0]:g} | {ht[1]:g} ({_pct(*ht)}) |",
             f"| | blocks computed | {bc[0]:g} | {bc[1]:g} (per seed "
             f"{min(fewer):g} to {max(fewer):g} fewer, never more) |",
             f"| | mean copies per resident key | {cm[0]:.3f} | {cm[1]:.3f} |",
             f"| | keys with more than one copy | {dk[0]:.2f} | {dk[1]:.2f} "
             f"({_pct(*dk)}) |",
-            f"| {q['families']} families, {q['num_blocks']} blocks (little "
+            f"| 8 families, {traces['families_low']['num_blocks']} blocks (little "
             f"pressure) | hit rate | {hr[0]:.4f} | {hr[1]:.4f} |",
             f"| | max copies per key | {mx[0]:g} | {mx[1]:g} |",
         ]
     )
     assert _table_after(README, "| trace | metric |") == expected
+
+
+def test_dup_first_table_is_the_benchmark_output() -> None:
+    hs = _dup_first()
+    assert not hs["quick"] and len(hs["seeds"]) >= 5
+    rows = [
+        "| trace | GPU blocks | blocks computed | hit tokens | mean copies per key "
+        "| max copies per key |",
+        "|---|---:|---|---|---|---|",
+    ]
+    for trace, per_tree in hs["summary"].items():
+
+        def three(metric: str, stat: str, digits: int, per_tree: dict = per_tree):
+            return " / ".join(
+                f"{per_tree[t][metric][stat]:.{digits}f}"
+                for t in ("upstream", "series", "dup_first")
+            )
+
+        rows.append(
+            f"| {trace} | {hs['traces'][trace]['num_blocks']} "
+            f"| {three('blocks_computed', 'median', 1)} "
+            f"| {three('hit_tokens', 'median', 0)} "
+            f"| {three('copies_mean', 'median', 3)} "
+            f"| {three('copies_max', 'max', 0)} |"
+        )
+    assert _table_after(README, "| trace | GPU blocks |") == "\n".join(rows)
+    assert (
+        _table_after(
+            (DOCS / "benchmarks" / "dup_first.md").read_text(),
+            "| trace | blocks computed |",
+        )
+        in README
+    )
 
 
 def _numbers(text: str) -> list[str]:

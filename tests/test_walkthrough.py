@@ -159,7 +159,7 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
     assert "conflict markers in vllm/" in stopped.stderr
     assert _patch_files(checkout) == original
 
-    # Add: a new file, committed as 0005 with the header filled in.
+    # Add: a new file, committed as 0007 with the header filled in.
     note = ws / "vllm" / "overlay_walkthrough_note.py"
     run_block(
         checkout,
@@ -168,7 +168,7 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
         editor,
     )
     after_add = series.load_series(checkout.patches)
-    assert [p.name for p in after_add] == [*names, "0006-short-name.patch"]
+    assert [p.name for p in after_add] == [*names, "0007-short-name.patch"]
     assert after_add[-1].header["Description"].startswith("note which overlay")
     assert after_add[-1].targets == ("vllm/overlay_walkthrough_note.py",)
     for name in names:
@@ -191,6 +191,6 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
     # the patches after 0002, the added one included, unrefreshed
     assert f"{len(names) - 1} later patches wait" in written.stderr
     rebased = series.load_series(checkout.patches)
-    assert [p.name for p in rebased] == [*names, "0006-short-name.patch"]
+    assert [p.name for p in rebased] == [*names, "0007-short-name.patch"]
     assert 'version = "0.32.0"' in checkout.pin.read_text()
     assert (checkout.tree / "vllm" / "overlay_walkthrough_note.py").is_file()

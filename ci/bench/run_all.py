@@ -20,9 +20,7 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import bench_block_pool
 import bench_events
 import bench_hit_lookup
+import bench_hit_selection
 import bench_router
 import benchlib as bl
 
@@ -321,51 +320,29 @@ def provenance_lines(
 
 
 # --------------------------------------------------------------------------
-# hit selection (README "Hit selection"): its own script, on the patched tree,
-# which compares the two look-ups in one process; both traces of the README.
+# hit selection and duplicates (README "Hit selection"): its own script, on
+# three trees (upstream, the series without 0006, the patched tree); its full
+# report is dup_first.md.
 # --------------------------------------------------------------------------
-
-HIT_SELECTION_TRACES = {"pressure": (24, 120), "little_pressure": (8, 160)}
-
-
-def hit_selection(python: Path, tree: Path, quick: bool) -> dict[str, Any]:
-    here = Path(__file__).resolve().parent
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (families, blocks) in HIT_SELECTION_TRACES.items():
-            dest = Path(tmp) / f"{name}.json"
-            args = ["--families", str(families), "--num-blocks", str(blocks)]
-            args += ["--seeds", "1", "--requests", "40"] if quick else []
-            subprocess.run(
-                [str(python), str(here / "bench_hit_selection.py"), *args]
-                + ["--json", str(dest)],
-                env={
-                    **os.environ,
-                    "PYTHONPATH": f"{tree.resolve()}:{here}",
-                    "HF_HUB_OFFLINE": "1",
-                },
-                stdout=subprocess.DEVNULL,
-                check=True,
-            )
-            out[name] = {"families": families, "num_blocks": blocks}
-            out[name] |= json.loads(dest.read_text())
-    return out
 
 
 def hit_selection_section(hs: dict[str, Any]) -> list[str]:
     out = [
-        "## 4. Hit selection: first copy (0.33.0) vs a copy in use (0004)",
+        "## 4. Duplicate copies: upstream, the series without 0006, with 0006",
         "",
-        "`bench_hit_selection.py` on the patched tree, both look-ups in one "
-        "process; medians over seeds.",
+        "`bench_hit_selection.py`: medians over seeds; per seed, the event "
+        "volume per policy and the spread in [dup_first.md](dup_first.md).",
         "",
-        "| trace | metric | first | referenced |",
-        "|---|---|---|---|",
+        "| trace | tree | hit tokens | blocks computed | mean copies per key |",
+        "|---|---|---:|---:|---:|",
     ]
-    for name, trace in hs.items():
-        label = f"{name}: {trace['families']} families, {trace['num_blocks']} blocks"
-        for metric, v in trace["summary"].items():
-            out.append(f"| {label} | {metric} | {v['first']:g} | {v['referenced']:g} |")
+    for trace, per_tree in hs["summary"].items():
+        for tree, v in per_tree.items():
+            out.append(
+                f"| {trace} | {tree} | {v['hit_tokens']['median']:g} "
+                f"| {v['blocks_computed']['median']:g} "
+                f"| {v['copies_mean']['median']:.3f} |"
+            )
     return [*out, ""]
 
 
@@ -534,8 +511,9 @@ def drive_main(argv: list[str]) -> int:
     finally:
         for w in shared.values():
             w.close()
-    hits = hit_selection(a.python, patched, a.quick)
-    for name, res in [*results.items(), ("hit_selection", hits)]:
+    hits = bench_hit_selection.run(a.python, patched, unpatched, a.quick)
+    bench_hit_selection.write_report(hits, a.out)
+    for name, res in results.items():
         (a.out / f"{name}.json").write_text(json.dumps(res, indent=1))
     bench_hit_lookup.write_report(results["hit_lookup"], a.out)
     plots = make_plots(results, a.out)

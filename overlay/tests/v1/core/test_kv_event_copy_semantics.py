@@ -324,12 +324,15 @@ def test_three_copies_evicted_one_by_one(policy):
     pool = make_pool(policy)
     mirrors = Mirrors()
     copies = []
+    # All three in use before any is freed: a copy freed while another stays
+    # resident goes to the front of the free queue and would be reused.
     for i in range(3):
         req = make_request(f"r{i}", tokens(1))
         block = pool.get_new_blocks(1)
         cache(pool, req, block)
-        pool.free_blocks(block)
         copies.append(block[0])
+    for block in copies:
+        pool.free_blocks([block])
     target = ext(req.block_hashes[0])
     events = pool.take_events()
     mirrors.apply(events)
