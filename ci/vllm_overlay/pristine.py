@@ -1,0 +1,194 @@
+"""The pinned sdist's tree, unpacked once into the cache and laid by hard links.
+
+Unpacking the ~47 MB sdist (8,500 files) was most of a warm build's time,
+so ``.cache/pristine/<sdist sha256>/tree`` keeps it, unpacked from the
+verified sdist, and a build lays ``build/tree`` from it: folders made
+afresh, the files the series patches copied, every other file hard-linked.
+Nothing the build does writes into a linked file: GNU patch only writes
+the copied files (and would replace, not write through, a linked one: it
+writes a new file and renames it), ``copy_overlay`` and the manifest add
+new files only. ``build/workspace`` and ``build/pristine`` are unpacked from
+the sdist as before and share nothing with the cache.
+
+A person or a test can still write in place into a linked file of
+``build/tree`` (an editor that keeps the inode), which changes the cached
+file too. So the cache is verified on every use: ``record`` holds a digest
+of every entry's path, mode, size, inode, symlink target and status-change
+time (ctime), taken right after the last lay. A write, chmod or ``touch``
+moves a file's ctime, which no user-space call can set back, so a changed,
+added or removed file fails the check and the tree is unpacked again from
+the sdist (checked against pin.toml's sha256). Linking and unlinking move
+ctime as well: the record is retaken after each lay and checked before the
+old ``build/tree`` is removed, and removing a tree in between (``rm -rf
+build/tree``) only costs an unpack. The check is blind only to a write in
+the same clock tick (a few ms) as a build's own lay, by a process running
+alongside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import stat
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from vllm_overlay.fetch import fetch
+from vllm_overlay.pin import Pin
+
+# Raise when what the record covers changes, so an old record never passes.
+_FORMAT = "vllm-overlay pristine 1"
+
+
+def cache_entry(cache_dir: Path, pin: Pin) -> Path:
+    """The cache folder of ``pin``'s sdist, keyed by its pinned sha256."""
+    return cache_dir / "pristine" / pin.sdist.sha256
+
+
+def _entries(root: Path) -> list[tuple[str, os.stat_result, str]]:
+    """Every entry under ``root`` (path, lstat, symlink target), sorted."""
+    found: list[tuple[str, os.stat_result, str]] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(root / rel if rel else root) as it:
+            for entry in it:
+                path = f"{rel}/{entry.name}" if rel else entry.name
+                st = entry.stat(follow_symlinks=False)
+                link = os.readlink(entry.path) if entry.is_symlink() else ""
+                found.append((path, st, link))
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(path)
+    found.sort(key=lambda e: e[0])
+    return found
+
+
+def _digest(sdist_sha256: str, tree: Path) -> str:
+    digest = hashlib.sha256(f"{_FORMAT}\n{sdist_sha256}\n".encode())
+    for path, st, link in _entries(tree):
+        digest.update(
+            f"{path}\0{st.st_mode:o}\0{st.st_size}\0{st.st_ino}\0"
+            f"{st.st_ctime_ns}\0{link}\n".encode()
+        )
+    return digest.hexdigest()
+
+
+def _record(entry: Path) -> Path:
+    return entry / "record"
+
+
+def write_record(entry: Path, sdist_sha256: str) -> None:
+    """Take the record of the cached tree as it is now (atomically)."""
+    partial = entry / "record.partial"
+    partial.write_text(_digest(sdist_sha256, entry / "tree") + "\n")
+    partial.replace(_record(entry))
+
+
+def is_intact(entry: Path, sdist_sha256: str) -> bool:
+    """Whether the cached tree is exactly as its last record saw it."""
+    record = _record(entry)
+    if not record.is_file() or not (entry / "tree").is_dir():
+        return False
+    return record.read_text().strip() == _digest(sdist_sha256, entry / "tree")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def ensure(
+    pin: Pin,
+    cache_dir: Path,
+    downloads: Path,
+    extract: Callable[[Path, Path], None],
+) -> Path:
+    """The verified cached tree of ``pin``'s sdist, unpacked (again) when it
+    is missing or fails its record. ``extract(sdist, dest)`` unpacks."""
+    entry = cache_entry(cache_dir, pin)
+    if is_intact(entry, pin.sdist.sha256):
+        return entry / "tree"
+    if entry.exists():
+        print(
+            f"  {entry} changed since it was recorded (an in-place edit of "
+            "build/tree writes into it): unpacking the sdist again",
+            file=sys.stderr,
+        )
+    sdist = fetch(pin.sdist, downloads)
+    staging = entry.with_name(entry.name + ".partial")
+    _remove(staging)
+    extract(sdist, staging / "tree")
+    _remove(entry)
+    staging.rename(entry)
+    write_record(entry, pin.sdist.sha256)
+    return entry / "tree"
+
+
+def _wanted(
+    st: os.stat_result, want: tuple[os.stat_result, str] | None, copied: bool
+) -> bool:
+    """Whether an existing entry of the tree being laid already is what the
+    lay would make: a folder where the cache has one, or the cached file
+    itself (same inode), which the cache's check has just verified."""
+    if want is None:
+        return False
+    cached, target = want
+    if stat.S_ISDIR(cached.st_mode):
+        return stat.S_ISDIR(st.st_mode)
+    return (
+        not target
+        and not copied
+        and stat.S_ISREG(st.st_mode)
+        and (st.st_ino, st.st_dev) == (cached.st_ino, cached.st_dev)
+    )
+
+
+def lay(cached: Path, dest: Path, copied: set[str]) -> None:
+    """Make ``dest`` the cached tree: folders made (with the cache's modes),
+    symlinks recreated, the files in ``copied`` copied (the series replaces
+    them, and unlinking a cached file would move its ctime), every other file
+    hard-linked (copied where the two are on different file systems).
+
+    An earlier build's tree at ``dest`` is reused, not removed (removing
+    8,500 files took longer than the rest of a warm build): what is already
+    the cached file or folder stays, everything else goes, then what is
+    missing is laid, so the result is the same as on an empty ``dest``."""
+    wanted = {path: (st, target) for path, st, target in _entries(cached)}
+    dest.mkdir(parents=True, exist_ok=True)
+    gone: list[str] = []
+    for path, st, _ in _entries(dest):
+        if any(path.startswith(g) for g in gone[-1:]):
+            continue  # inside a folder removed just before (sorted order)
+        if _wanted(st, wanted.get(path), path in copied):
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(dest / path)
+            gone.append(path + "/")
+        else:
+            (dest / path).unlink()
+    link: Callable[[Path, Path], object] = os.link
+    for path, (st, target) in wanted.items():
+        out = dest / path
+        if stat.S_ISDIR(st.st_mode):
+            out.mkdir(exist_ok=True)
+            if out.stat().st_mode != st.st_mode:
+                out.chmod(stat.S_IMODE(st.st_mode))
+        elif out.is_symlink() or out.exists():
+            continue
+        elif target:
+            out.symlink_to(target)
+        elif path in copied:
+            shutil.copy2(cached / path, out)
+        else:
+            try:
+                link(cached / path, out)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                link = shutil.copy2
+                link(cached / path, out)
