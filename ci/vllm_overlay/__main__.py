@@ -138,9 +138,13 @@ def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
+    return str(_build_wheel(layout, args)[0])
+
+
+def _build_wheel(layout: Layout, args: argparse.Namespace) -> tuple[Path, str | None]:
     pin = overlay.labelled_pin(layout)
     patches = series.load_series(layout.patches)
-    wheel = build.build_wheel(
+    return build.build_wheel(
         args.tree,
         pin,
         args.mode,
@@ -152,7 +156,6 @@ def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
         log_dir=layout.logs,
         source_date_epoch=series.source_date_epoch(patches, pin.source_date),
     )
-    return str(wheel)
 
 
 def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
@@ -194,11 +197,11 @@ def cmd_build(layout: Layout, args: argparse.Namespace) -> str:
     tree = Path(cmd_stamp(layout, ns(tree=tree, mode=args.mode)))
     _step(f"build the wheel ({args.mode})")
     wheel_args = ns(tree=tree, mode=args.mode, official=official)
-    wheel = Path(cmd_build_wheel(layout, wheel_args))
+    wheel, sha256 = _build_wheel(layout, wheel_args)
     _step("check the wheel against the official one")
     cmd_check_wheel(layout, ns(wheel=wheel, tree=tree, official=official))
     _step("publish to dist/")
-    published = cmd_publish(layout, ns(wheel=wheel))
+    published = str(dist.publish(wheel, layout.dist, layout.build, sha256))
     print(cmd_manifest(layout, ns(tree=tree)), file=sys.stderr)
     return published
 

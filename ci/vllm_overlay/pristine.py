@@ -48,9 +48,13 @@ def cache_entry(cache_dir: Path, pin: Pin) -> Path:
     return cache_dir / "pristine" / pin.sdist.sha256
 
 
-def _entries(root: Path) -> list[tuple[str, os.stat_result, str]]:
-    """Every entry under ``root`` (path, lstat, symlink target), sorted."""
-    found: list[tuple[str, os.stat_result, str]] = []
+# Every entry under a folder: relative path, lstat, symlink target ("" if
+# none), sorted by path.
+Entries = list[tuple[str, os.stat_result, str]]
+
+
+def _entries(root: Path) -> Entries:
+    found: Entries = []
     stack = [""]
     while stack:
         rel = stack.pop()
@@ -66,9 +70,9 @@ def _entries(root: Path) -> list[tuple[str, os.stat_result, str]]:
     return found
 
 
-def _digest(sdist_sha256: str, tree: Path) -> str:
+def _digest(sdist_sha256: str, entries: Entries) -> str:
     digest = hashlib.sha256(f"{_FORMAT}\n{sdist_sha256}\n".encode())
-    for path, st, link in _entries(tree):
+    for path, st, link in entries:
         digest.update(
             f"{path}\0{st.st_mode:o}\0{st.st_size}\0{st.st_ino}\0"
             f"{st.st_ctime_ns}\0{link}\n".encode()
@@ -83,16 +87,20 @@ def _record(entry: Path) -> Path:
 def write_record(entry: Path, sdist_sha256: str) -> None:
     """Take the record of the cached tree as it is now (atomically)."""
     partial = entry / "record.partial"
-    partial.write_text(_digest(sdist_sha256, entry / "tree") + "\n")
+    partial.write_text(_digest(sdist_sha256, _entries(entry / "tree")) + "\n")
     partial.replace(_record(entry))
 
 
-def is_intact(entry: Path, sdist_sha256: str) -> bool:
-    """Whether the cached tree is exactly as its last record saw it."""
+def intact_entries(entry: Path, sdist_sha256: str) -> Entries | None:
+    """The cached tree's entries if it is exactly as its last record saw
+    it, else None."""
     record = _record(entry)
     if not record.is_file() or not (entry / "tree").is_dir():
-        return False
-    return record.read_text().strip() == _digest(sdist_sha256, entry / "tree")
+        return None
+    entries = _entries(entry / "tree")
+    if record.read_text().strip() != _digest(sdist_sha256, entries):
+        return None
+    return entries
 
 
 def _remove(path: Path) -> None:
@@ -107,12 +115,13 @@ def ensure(
     cache_dir: Path,
     downloads: Path,
     extract: Callable[[Path, Path], None],
-) -> Path:
-    """The verified cached tree of ``pin``'s sdist, unpacked (again) when it
-    is missing or fails its record. ``extract(sdist, dest)`` unpacks."""
+) -> tuple[Path, Entries]:
+    """The verified cached tree of ``pin``'s sdist and its entries, unpacked
+    (again) when it is missing or fails its record. ``extract(sdist, dest)``
+    unpacks."""
     entry = cache_entry(cache_dir, pin)
-    if is_intact(entry, pin.sdist.sha256):
-        return entry / "tree"
+    if (entries := intact_entries(entry, pin.sdist.sha256)) is not None:
+        return entry / "tree", entries
     if entry.exists():
         print(
             f"  {entry} changed since it was recorded (an in-place edit of "
@@ -126,7 +135,7 @@ def ensure(
     _remove(entry)
     staging.rename(entry)
     write_record(entry, pin.sdist.sha256)
-    return entry / "tree"
+    return entry / "tree", _entries(entry / "tree")
 
 
 def _wanted(
@@ -148,47 +157,50 @@ def _wanted(
     )
 
 
-def lay(cached: Path, dest: Path, copied: set[str]) -> None:
-    """Make ``dest`` the cached tree: folders made (with the cache's modes),
-    symlinks recreated, the files in ``copied`` copied (the series replaces
-    them, and unlinking a cached file would move its ctime), every other file
-    hard-linked (copied where the two are on different file systems).
+def lay(cached: Path, entries: Entries, dest: Path, copied: set[str]) -> None:
+    """Make ``dest`` the cached tree (``entries``, as verified): folders made
+    (with the cache's modes), symlinks recreated, the files in ``copied``
+    copied (the series replaces them, and unlinking a cached file would move
+    its ctime), every other file hard-linked (copied where the two are on
+    different file systems).
 
     An earlier build's tree at ``dest`` is reused, not removed (removing
     8,500 files took longer than the rest of a warm build): what is already
     the cached file or folder stays, everything else goes, then what is
     missing is laid, so the result is the same as on an empty ``dest``."""
-    wanted = {path: (st, target) for path, st, target in _entries(cached)}
+    wanted = {path: (st, target) for path, st, target in entries}
     dest.mkdir(parents=True, exist_ok=True)
-    gone: list[str] = []
+    kept: set[str] = set()
+    gone = "\0"  # the last folder removed; its contents follow it (sorted)
     for path, st, _ in _entries(dest):
-        if any(path.startswith(g) for g in gone[-1:]):
-            continue  # inside a folder removed just before (sorted order)
-        if _wanted(st, wanted.get(path), path in copied):
+        if path.startswith(gone):
             continue
-        if stat.S_ISDIR(st.st_mode):
+        if _wanted(st, wanted.get(path), path in copied):
+            kept.add(path)
+        elif stat.S_ISDIR(st.st_mode):
             shutil.rmtree(dest / path)
-            gone.append(path + "/")
+            gone = path + "/"
         else:
-            (dest / path).unlink()
-    link: Callable[[Path, Path], object] = os.link
+            os.unlink(dest / path)
+    link: Callable[[str, str], object] = os.link
+    src_root, dest_root = str(cached), str(dest)
     for path, (st, target) in wanted.items():
-        out = dest / path
+        src, out = f"{src_root}/{path}", f"{dest_root}/{path}"
         if stat.S_ISDIR(st.st_mode):
-            out.mkdir(exist_ok=True)
-            if out.stat().st_mode != st.st_mode:
-                out.chmod(stat.S_IMODE(st.st_mode))
-        elif out.is_symlink() or out.exists():
+            if path not in kept:
+                os.mkdir(out)
+            os.chmod(out, stat.S_IMODE(st.st_mode))
+        elif path in kept:
             continue
         elif target:
-            out.symlink_to(target)
+            os.symlink(target, out)
         elif path in copied:
-            shutil.copy2(cached / path, out)
+            shutil.copy2(src, out)
         else:
             try:
-                link(cached / path, out)
+                link(src, out)
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise
                 link = shutil.copy2
-                link(cached / path, out)
+                link(src, out)

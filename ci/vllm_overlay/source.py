@@ -124,14 +124,14 @@ def lay_build_tree(
         fresh_dir(tree)
         fresh_dir(partial)
         return lay_scratch_tree(repo_root, pin, downloads, partial)
-    cached = pristine.ensure(pin, cache_dir, downloads, extract_sdist)
+    cached, entries = pristine.ensure(pin, cache_dir, downloads, extract_sdist)
     if tree.is_dir() and not tree.is_symlink():
         fresh_dir(partial)
         tree.rename(partial)  # from here on never passed off as built
     fresh_dir(tree)
     if not partial.is_dir() or partial.is_symlink():
         fresh_dir(partial)
-    pristine.lay(cached, partial, patched)
+    pristine.lay(cached, entries, partial, patched)
     pristine.write_record(cached.parent, pin.sdist.sha256)
     return UpstreamSource(
         "sdist",
