@@ -247,3 +247,14 @@ def test_the_build_steps_leave_the_cache_intact(checkout: Layout, pin: Pin) -> N
     cached = _cached(checkout, pin)
     assert pristine.intact_entries(cached.parent, pin.sdist.sha256) is not None
     assert _contents(cached) == FILES
+
+
+def test_other_modes_get_a_tree_of_copies(checkout: Layout, pin: Pin) -> None:
+    """vLLM's setup.py (--python-only, --from-source) writes into the tree
+    in place, so those modes' tree shares no file with the cache, even when
+    it reuses a linked tree an assemble build left."""
+    _lay(checkout, pin)
+    _finish(checkout)
+    tree = _lay(checkout, pin, None)
+    assert _contents(tree) == FILES
+    assert {os.stat(p).st_nlink for p in tree.rglob("*") if p.is_file()} == {1}

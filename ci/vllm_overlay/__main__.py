@@ -63,7 +63,10 @@ def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
         layout.downloads,
         layout.tree,
         layout.partial_tree,
-        {t for p in series.load_series(layout.patches) for t in p.targets},
+        # vLLM's setup.py (the other modes) writes into the tree in place.
+        {t for p in series.load_series(layout.patches) for t in p.targets}
+        if getattr(args, "mode", "assemble") == "assemble"
+        else None,
     )
     print(f"  source: {upstream.description}", file=sys.stderr)
     return str(layout.partial_tree)

@@ -157,12 +157,13 @@ def _wanted(
     )
 
 
-def lay(cached: Path, entries: Entries, dest: Path, copied: set[str]) -> None:
+def lay(cached: Path, entries: Entries, dest: Path, copied: set[str] | None) -> None:
     """Make ``dest`` the cached tree (``entries``, as verified): folders made
     (with the cache's modes), symlinks recreated, the files in ``copied``
     copied (the series replaces them, and unlinking a cached file would move
     its ctime), every other file hard-linked (copied where the two are on
-    different file systems).
+    different file systems). ``copied=None`` copies every file: for a tree
+    that a foreign build (vLLM's setup.py) writes into.
 
     An earlier build's tree at ``dest`` is reused, not removed (removing
     8,500 files took longer than the rest of a warm build): what is already
@@ -175,7 +176,7 @@ def lay(cached: Path, entries: Entries, dest: Path, copied: set[str]) -> None:
     for path, st, _ in _entries(dest):
         if path.startswith(gone):
             continue
-        if _wanted(st, wanted.get(path), path in copied):
+        if _wanted(st, wanted.get(path), copied is None or path in copied):
             kept.add(path)
         elif stat.S_ISDIR(st.st_mode):
             shutil.rmtree(dest / path)
@@ -194,7 +195,7 @@ def lay(cached: Path, entries: Entries, dest: Path, copied: set[str]) -> None:
             continue
         elif target:
             os.symlink(target, out)
-        elif path in copied:
+        elif copied is None or path in copied:
             shutil.copy2(src, out)
         else:
             try:

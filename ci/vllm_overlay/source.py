@@ -110,16 +110,17 @@ def lay_build_tree(
     downloads: Path,
     tree: Path,
     partial: Path,
-    patched: set[str],
+    patched: set[str] | None,
 ) -> UpstreamSource:
     """Lay a fresh pinned upstream tree at ``partial``, where the series and
     overlay go in before it becomes ``tree``; the earlier ``tree`` is gone.
 
     From the sdist, ``partial`` is laid from the verified cached tree
     (pristine.py), reusing the earlier tree's files that still are the
-    cached ones; ``patched`` (the series' targets) are copied, every other
-    file hard-linked. The cache is checked before anything is removed (that
-    moves the cached files' ctime) and its record retaken after the lay."""
+    cached ones; ``patched`` (the series' targets; None: every file) are
+    copied, every other file hard-linked. The cache is checked before
+    anything is removed (that moves the cached files' ctime) and its record
+    retaken after the lay."""
     if is_populated_checkout(repo_root / "upstream"):
         fresh_dir(tree)
         fresh_dir(partial)
