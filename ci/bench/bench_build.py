@@ -251,7 +251,9 @@ def _markdown(result: dict, args: argparse.Namespace) -> str:
         "",
         "Cold runs start from an empty project cache (`.cache/`); pip's "
         "own cache and the machine's local torch files are not emptied, so "
-        "the build venv's torch came from local disk.",
+        "the build venv's torch came from local disk. A cold run also unpacks "
+        "the sdist into `.cache/pristine/`, which warm runs lay `build/tree` "
+        'from (README, "Where the upstream source comes from").',
         "",
     ]
     return "\n".join(lines)
