@@ -38,10 +38,10 @@ def distribution_of(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
+def locked(directory: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` (the folder holding dist/,
-    which the swap does not replace): two targets publishing at once each
-    keep the other's wheel."""
+    which the swap does not replace: two targets publishing at once each
+    keep the other's wheel; .cache/pristine, for two builds laying trees)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -73,11 +73,11 @@ def publish(
         )
     try:
         dist.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(dist.parent):
+        with locked(dist.parent):
             _publish(wheel, dist, staging_root / "dist.new", sha256)
     except OSError as e:
         with contextlib.suppress(OSError):
-            _remove(staging_root / "dist.new")
+            remove_path(staging_root / "dist.new")
         raise OverlayError(
             f"cannot publish to {dist}: {e.strerror or e} "
             f"({e.filename or dist}); dist/ was left as it was",
@@ -89,7 +89,7 @@ def publish(
 
 
 def _publish(wheel: Path, dist: Path, staging: Path, sha256: str | None) -> None:
-    _remove(staging)
+    remove_path(staging)
     staging.mkdir(parents=True)
     if dist.exists():
         ours = distribution_of(wheel.name)
@@ -105,7 +105,7 @@ def _publish(wheel: Path, dist: Path, staging: Path, sha256: str | None) -> None
         _exchange(staging, dist)
     else:
         staging.rename(dist)
-    _remove(staging)  # now holds the previous dist/, if there was one
+    remove_path(staging)  # now holds the previous dist/, if there was one
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:
@@ -122,7 +122,8 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove a file, symlink or folder, if there is one."""
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.exists():

@@ -36,6 +36,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from vllm_overlay.dist import remove_path
 from vllm_overlay.fetch import fetch
 from vllm_overlay.pin import Pin
 
@@ -103,13 +104,6 @@ def intact_entries(entry: Path, sdist_sha256: str) -> Entries | None:
     return entries
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def ensure(
     pin: Pin,
     cache_dir: Path,
@@ -124,15 +118,16 @@ def ensure(
         return entry / "tree", entries
     if entry.exists():
         print(
-            f"  {entry} changed since it was recorded (an in-place edit of "
-            "build/tree writes into it): unpacking the sdist again",
+            f"  {entry} changed since its record (a file of build/tree "
+            "written in place or removed moves the cached file's ctime): "
+            "unpacking the sdist again",
             file=sys.stderr,
         )
     sdist = fetch(pin.sdist, downloads)
     staging = entry.with_name(entry.name + ".partial")
-    _remove(staging)
+    remove_path(staging)
     extract(sdist, staging / "tree")
-    _remove(entry)
+    remove_path(entry)
     staging.rename(entry)
     write_record(entry, pin.sdist.sha256)
     return entry / "tree", _entries(entry / "tree")

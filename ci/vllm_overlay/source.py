@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_overlay import pristine
+from vllm_overlay.dist import locked
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import fetch
 from vllm_overlay.pin import Pin
@@ -125,15 +126,19 @@ def lay_build_tree(
         fresh_dir(tree)
         fresh_dir(partial)
         return lay_scratch_tree(repo_root, pin, downloads, partial)
-    cached, entries = pristine.ensure(pin, cache_dir, downloads, extract_sdist)
-    if tree.is_dir() and not tree.is_symlink():
-        fresh_dir(partial)
-        tree.rename(partial)  # from here on never passed off as built
-    fresh_dir(tree)
-    if not partial.is_dir() or partial.is_symlink():
-        fresh_dir(partial)
-    pristine.lay(cached, entries, partial, patched)
-    pristine.write_record(cached.parent, pin.sdist.sha256)
+    locks = cache_dir / "pristine"
+    locks.mkdir(parents=True, exist_ok=True)
+    # Another checkout sharing the cache may be unpacking or laying it.
+    with locked(locks):
+        cached, entries = pristine.ensure(pin, cache_dir, downloads, extract_sdist)
+        if tree.is_dir() and not tree.is_symlink():
+            fresh_dir(partial)
+            tree.rename(partial)  # from here on never passed off as built
+        fresh_dir(tree)
+        if not partial.is_dir() or partial.is_symlink():
+            fresh_dir(partial)
+        pristine.lay(cached, entries, partial, patched)
+        pristine.write_record(cached.parent, pin.sdist.sha256)
     return UpstreamSource(
         "sdist",
         f"{pin.sdist.filename} (sha256 {pin.sdist.sha256[:12]}..., unpacked "
