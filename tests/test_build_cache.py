@@ -119,8 +119,10 @@ def test_relay_reuses_links_and_drops_everything_else(
     tree = _lay(checkout, pin)
     (tree / "vllm/x.py").write_text("x = 2  # the series\n")
     (tree / "tests/new_overlay_test.py").write_text("pass\n")
-    (tree / "vllm/__pycache__").mkdir()
-    (tree / "vllm/__pycache__/x.pyc").write_bytes(b"\0")
+    # Two unwanted folders whose names sort between a folder and its files.
+    for extra in ("vllm/extra/x.pyc", "vllm/extra-2/y.pyc", "vllm/extra/z/w.pyc"):
+        (tree / extra).parent.mkdir(parents=True, exist_ok=True)
+        (tree / extra).write_bytes(b"\0")
     tree = _finish(checkout)
     kept = os.stat(tree / "vllm/unpatched.py").st_ino
 

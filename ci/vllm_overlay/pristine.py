@@ -167,15 +167,15 @@ def lay(cached: Path, entries: Entries, dest: Path, copied: set[str] | None) -> 
     wanted = {path: (st, target) for path, st, target in entries}
     dest.mkdir(parents=True, exist_ok=True)
     kept: set[str] = set()
-    gone = "\0"  # the last folder removed; its contents follow it (sorted)
+    gone: set[str] = set()  # folders removed with everything in them
     for path, st, _ in _entries(dest):
-        if path.startswith(gone):
-            continue
-        if _wanted(st, wanted.get(path), copied is None or path in copied):
+        if path.rpartition("/")[0] in gone:
+            gone.add(path)
+        elif _wanted(st, wanted.get(path), copied is None or path in copied):
             kept.add(path)
         elif stat.S_ISDIR(st.st_mode):
             shutil.rmtree(dest / path)
-            gone = path + "/"
+            gone.add(path)
         else:
             os.unlink(dest / path)
     link: Callable[[str, str], object] = os.link
