@@ -201,7 +201,7 @@ def main() -> int:
         "machine": f"{os.cpu_count()} cores, {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "warm": {route: _summary(t) for route, t in warm.items()},
-        "cold": {route: _summary(t) for route, t in cold.items()},
+        "cold": {route: _summary(t) for route, t in cold.items() if t},
         "sizes": sizes,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
