@@ -95,7 +95,7 @@ def test_killed_publish_leaves_dist_whole(tmp_path: Path) -> None:
         assert names in (old, new)
 
 
-@pytest.mark.parametrize("failing", ["copy", "checksum", "swap"])
+@pytest.mark.parametrize("failing", ["link", "checksum", "swap"])
 def test_failed_publish_leaves_dist_whole(
     tmp_path: Path, monkeypatch, failing: str
 ) -> None:
@@ -110,7 +110,7 @@ def test_failed_publish_leaves_dist_whole(
         raise OSError(28, "No space left on device")
 
     target = {
-        "copy": (dist.shutil, "copy2"),
+        "link": (dist.os, "link"),
         "checksum": (dist, "sha256_of"),
         "swap": (dist, "_exchange"),
     }[failing]
@@ -200,3 +200,20 @@ def test_ctrl_c_at_any_point_of_start_up_prints_no_traceback(tmp_path: Path) -> 
         assert b"Traceback" not in err, err.decode()
         if proc.returncode != 0:
             assert proc.returncode in (130, -signal.SIGINT), err.decode()
+
+
+def test_publish_writes_the_sha256_taken_while_writing(tmp_path: Path) -> None:
+    """The assemble route hashes the wheel as it writes it; publish writes
+    that hash, and the wheel it links into dist/ has those bytes."""
+    from vllm_overlay.assemble import _RawZipWriter
+
+    wheel = tmp_path / "vllm-new.whl"
+    writer = _RawZipWriter(wheel, 315532800)
+    writer.write("vllm/a.py", b"a = 1\n" * 1000, 0o100644 << 16)
+    writer.close()
+    assert writer.sha256 == sha256_of(wheel)
+    dist.publish(wheel, tmp_path / "dist", tmp_path / "build", writer.sha256)
+    published = tmp_path / "dist" / wheel.name
+    assert (tmp_path / "dist" / "vllm-new.whl.sha256").read_text() == (
+        f"{sha256_of(published)}  vllm-new.whl\n"
+    )

@@ -201,7 +201,7 @@ def main() -> int:
         "machine": f"{os.cpu_count()} cores, {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "warm": {route: _summary(t) for route, t in warm.items()},
-        "cold": {route: _summary(t) for route, t in cold.items()},
+        "cold": {route: _summary(t) for route, t in cold.items() if t},
         "sizes": sizes,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +251,9 @@ def _markdown(result: dict, args: argparse.Namespace) -> str:
         "",
         "Cold runs start from an empty project cache (`.cache/`); pip's "
         "own cache and the machine's local torch files are not emptied, so "
-        "the build venv's torch came from local disk.",
+        "the build venv's torch came from local disk. A cold run also unpacks "
+        "the sdist into `.cache/pristine/`, which warm runs lay `build/tree` "
+        'from (README, "Where the upstream source comes from").',
         "",
     ]
     return "\n".join(lines)

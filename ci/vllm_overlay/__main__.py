@@ -56,8 +56,20 @@ def _lay_upstream(layout: Layout, dest: Path) -> str:
 
 
 def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
-    source.fresh_dir(layout.tree)
-    return _lay_upstream(layout, layout.partial_tree)
+    upstream = source.lay_build_tree(
+        layout.root,
+        load_pin(layout.pin),
+        layout.cache,
+        layout.downloads,
+        layout.tree,
+        layout.partial_tree,
+        # vLLM's setup.py (the other modes) writes into the tree in place.
+        {t for p in series.load_series(layout.patches) for t in p.targets}
+        if getattr(args, "mode", "assemble") == "assemble"
+        else None,
+    )
+    print(f"  source: {upstream.description}", file=sys.stderr)
+    return str(layout.partial_tree)
 
 
 def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
@@ -77,13 +89,17 @@ def cmd_series_dir(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_apply_series(layout: Layout, args: argparse.Namespace) -> str:
-    patches = series.load_series(layout.patches)
     official = fetch.fetch(load_pin(layout.pin).wheel, layout.downloads)
+    return _apply_series(layout, args.tree, official)
+
+
+def _apply_series(layout: Layout, tree: Path, official: Path) -> str:
+    patches = series.load_series(layout.patches)
     wheelcheck.check_base_matches_official(
-        args.tree, official, {t for p in patches for t in p.targets}
+        tree, official, {t for p in patches for t in p.targets}
     )
-    apply.apply_series(args.tree, patches)
-    return str(args.tree)
+    apply.apply_series(tree, patches)
+    return str(tree)
 
 
 def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
@@ -125,9 +141,13 @@ def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
+    return str(_build_wheel(layout, args)[0])
+
+
+def _build_wheel(layout: Layout, args: argparse.Namespace) -> tuple[Path, str | None]:
     pin = overlay.labelled_pin(layout)
     patches = series.load_series(layout.patches)
-    wheel = build.build_wheel(
+    return build.build_wheel(
         args.tree,
         pin,
         args.mode,
@@ -139,7 +159,6 @@ def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
         log_dir=layout.logs,
         source_date_epoch=series.source_date_epoch(patches, pin.source_date),
     )
-    return str(wheel)
 
 
 def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
@@ -157,6 +176,37 @@ def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_publish(layout: Layout, args: argparse.Namespace) -> str:
     return str(dist.publish(args.wheel, layout.dist, layout.build))
+
+
+def _step(text: str) -> None:
+    print(f"==> {text}", file=sys.stderr, flush=True)
+
+
+def cmd_build(layout: Layout, args: argparse.Namespace) -> str:
+    """build.sh's steps in one process, each announced as build.sh did: one
+    interpreter start instead of ten, and the official wheel hashed once."""
+    ns = argparse.Namespace
+    _step("check the checkout (pin, series, overlay)")
+    print(cmd_check(layout, args), file=sys.stderr)
+    _step("fetch and verify the official wheel")
+    official = Path(cmd_fetch_wheel(layout, args))
+    _step("lay a fresh upstream tree")
+    tree = Path(cmd_prepare_tree(layout, args))
+    _step(f"apply {cmd_series_dir(layout, args)}/series")
+    tree = Path(_apply_series(layout, tree, official))
+    _step("copy overlay/")
+    tree = Path(cmd_copy_overlay(layout, ns(tree=tree)))
+    _step("write the provenance manifest")
+    tree = Path(cmd_stamp(layout, ns(tree=tree, mode=args.mode)))
+    _step(f"build the wheel ({args.mode})")
+    wheel_args = ns(tree=tree, mode=args.mode, official=official)
+    wheel, sha256 = _build_wheel(layout, wheel_args)
+    _step("check the wheel against the official one")
+    cmd_check_wheel(layout, ns(wheel=wheel, tree=tree, official=official))
+    _step("publish to dist/")
+    published = str(dist.publish(wheel, layout.dist, layout.build, sha256))
+    print(cmd_manifest(layout, ns(tree=tree)), file=sys.stderr)
+    return published
 
 
 def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
@@ -259,6 +309,9 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     add("check", cmd_check, "check the checkout's own files (no download, no tree)")
+    add("build", cmd_build, "every step of ./build.sh").add_argument(
+        "--mode", choices=build.MODES, default="assemble"
+    )
     add("fetch-wheel", cmd_fetch_wheel, "download and verify the official wheel")
     add("apply", cmd_apply, "build/tree: fresh upstream + series + overlay")
     add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")

@@ -86,11 +86,30 @@ def overlay_version_file(official: str, pin: Pin) -> str:
     return text
 
 
+class _HashingFile:
+    """A file written front to back, hashed as it is written: the sha256 that
+    dist/ publishes beside the wheel, without reading 300 MB again."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("wb")
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+        self.sha256.update(data)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class _RawZipWriter:
     """Just enough of a zip writer to copy compressed members unchanged."""
 
     def __init__(self, path: Path, epoch: int) -> None:
-        self._out = path.open("wb")
+        self._out = _HashingFile(path)
         self._time, self._date = _dos_time(epoch)
         self._entries: list[_Entry] = []
 
@@ -166,11 +185,16 @@ class _RawZipWriter:
         )
         self._out.close()
 
+    @property
+    def sha256(self) -> str:
+        return self._out.sha256.hexdigest()
+
 
 def assemble_wheel(
     official: Path, tree: Path, touched: set[str], pin: Pin, out_dir: Path, epoch: int
-) -> Path:
-    """Write the overlay wheel of ``tree`` into ``out_dir``."""
+) -> tuple[Path, str]:
+    """Write the overlay wheel of ``tree`` into ``out_dir``; return it and
+    its sha256."""
     old_info = f"{pin.distribution}-{pin.version}.dist-info/"
     new_info = f"{pin.distribution}-{pin.overlay_version}.dist-info/"
     target = out_dir / pin.overlay_wheel_name
@@ -236,7 +260,7 @@ def assemble_wheel(
         partial.unlink(missing_ok=True)
         raise
     partial.replace(target)
-    return target
+    return target, writer.sha256
 
 
 def _replace_header(data: bytes, field: str, value: str) -> bytes:

@@ -52,8 +52,9 @@ def build_wheel(
     out_dir: Path,
     log_dir: Path,
     source_date_epoch: int,
-) -> Path:
-    """Build one wheel of ``tree`` into ``out_dir`` (emptied first).
+) -> tuple[Path, str | None]:
+    """Build one wheel of ``tree`` into ``out_dir`` (emptied first); return
+    it and, when the route hashed it while writing it, its sha256.
 
     ``touched``: the upstream-relative files that differ from upstream's.
     ``source_date_epoch`` fixes every timestamp in the wheel, so two builds
@@ -112,7 +113,7 @@ def build_wheel(
             f"expected one wheel in {out_dir}, found {[w.name for w in wheels]}",
             f"read {log_dir / f'wheel-{mode}.log'}",
         )
-    return _retag(wheels[0], python, pin, log_dir, source_date_epoch)
+    return _retag(wheels[0], python, pin, log_dir, source_date_epoch), None
 
 
 def _check_cuda_toolkit() -> None:

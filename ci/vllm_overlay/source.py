@@ -14,6 +14,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_overlay import pristine
+from vllm_overlay.dist import locked
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import fetch
 from vllm_overlay.pin import Pin
@@ -99,6 +101,48 @@ def lay_scratch_tree(
     extract_sdist(sdist, dest)
     return UpstreamSource(
         "sdist", f"{pin.sdist.filename} (sha256 {pin.sdist.sha256[:12]}...)"
+    )
+
+
+def lay_build_tree(
+    repo_root: Path,
+    pin: Pin,
+    cache_dir: Path,
+    downloads: Path,
+    tree: Path,
+    partial: Path,
+    patched: set[str] | None,
+) -> UpstreamSource:
+    """Lay a fresh pinned upstream tree at ``partial``, where the series and
+    overlay go in before it becomes ``tree``; the earlier ``tree`` is gone.
+
+    From the sdist, ``partial`` is laid from the verified cached tree
+    (pristine.py), reusing the earlier tree's files that still are the
+    cached ones; ``patched`` (the series' targets; None: every file) are
+    copied, every other file hard-linked. The cache is checked before
+    anything is removed (that moves the cached files' ctime) and its record
+    retaken after the lay."""
+    if is_populated_checkout(repo_root / "upstream"):
+        fresh_dir(tree)
+        fresh_dir(partial)
+        return lay_scratch_tree(repo_root, pin, downloads, partial)
+    locks = cache_dir / "pristine"
+    locks.mkdir(parents=True, exist_ok=True)
+    # Another checkout sharing the cache may be unpacking or laying it.
+    with locked(locks):
+        cached, entries = pristine.ensure(pin, cache_dir, downloads, extract_sdist)
+        if tree.is_dir() and not tree.is_symlink():
+            fresh_dir(partial)
+            tree.rename(partial)  # from here on never passed off as built
+        fresh_dir(tree)
+        if not partial.is_dir() or partial.is_symlink():
+            fresh_dir(partial)
+        pristine.lay(cached, entries, partial, patched)
+        pristine.write_record(cached.parent, pin.sdist.sha256)
+    return UpstreamSource(
+        "sdist",
+        f"{pin.sdist.filename} (sha256 {pin.sdist.sha256[:12]}..., unpacked "
+        "once into .cache/pristine)",
     )
 
 
