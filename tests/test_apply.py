@@ -44,6 +44,16 @@ def test_fuzz_is_an_error(checkout: Layout, tree: Path) -> None:
     assert (tree / "pkg" / "mod.py").read_text() == before
 
 
+def test_a_targets_refresh_hint_names_the_target(checkout: Layout, tree: Path) -> None:
+    # Pasted without --target, the hint would refresh the main series.
+    (tree / "pkg" / "mod.py").write_text("new first line\n" + LINES)
+    command = Layout(checkout.root, "vllm-cpu").command
+    with pytest.raises(OverlayError) as e:
+        apply.apply_series(tree, [_patch(checkout, EDIT)], command)
+    assert "`ci/overlay --target vllm-cpu workspace`" in e.value.next_step
+    assert "`ci/overlay --target vllm-cpu export`" in e.value.next_step
+
+
 def test_conflict_is_an_error(checkout: Layout, tree: Path) -> None:
     (tree / "pkg" / "mod.py").write_text(LINES.replace("line 15\n", "line 15b\n"))
     patch = _patch(checkout, EDIT)

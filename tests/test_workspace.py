@@ -185,7 +185,7 @@ def test_export_never_shortens_the_series_unless_told(checkout: Layout) -> None:
     with pytest.raises(OverlayError, match="would remove 0003-p3.patch") as e:
         workspace.export(ws)
     assert hint_commands(e.value.next_step)[-1] == (
-        "ci/overlay export --drop 0003-p3.patch"
+        f"ci/overlay export --dir {ws} --drop 0003-p3.patch"
     )
     assert series.read_series(checkout.patches) == list(THREE)
     workspace.export(ws, drop=["0003-p3.patch"])

@@ -109,6 +109,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "                continue\n",
         "",
     ),
+    Mutant(
+        "surplus-copies-evicted-last",
+        "a freed duplicate whose key stays resident goes to the back of the "
+        "free queue (0006 undone: it ages out behind unique prefixes)",
+        BLOCK_POOL,
+        "        self.free_block_queue.prepend_n(surplus)\n",
+        "        self.free_block_queue.append_n(surplus)\n",
+    ),
+    Mutant(
+        "older-free-copy-kept",
+        "when a later copy of the key is freed, the key's older free copy "
+        "keeps its LRU place instead of going to the front",
+        BLOCK_POOL,
+        "                self.free_block_queue.remove(previous)\n"
+        "                surplus.append(previous)\n",
+        "                pass\n",
+    ),
 )
 
 

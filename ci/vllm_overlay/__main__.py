@@ -76,7 +76,7 @@ def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
     """What build.sh does up to the build: a fresh tree with the series and
     overlay in it, for looking at or running upstream's tests against."""
     tree = Path(cmd_prepare_tree(layout, args))
-    apply.apply_series(tree, series.load_series(layout.patches))
+    apply.apply_series(tree, series.load_series(layout.patches), layout.command)
     return cmd_copy_overlay(layout, argparse.Namespace(tree=tree))
 
 
@@ -98,7 +98,7 @@ def _apply_series(layout: Layout, tree: Path, official: Path) -> str:
     wheelcheck.check_base_matches_official(
         tree, official, {t for p in patches for t in p.targets}
     )
-    apply.apply_series(tree, patches)
+    apply.apply_series(tree, patches, layout.command)
     return str(tree)
 
 
@@ -218,8 +218,9 @@ def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
     if problems:
         raise OverlayError(
             "\n".join(problems),
-            "fill in the DEP-3 headers; fix diffs in build/workspace and "
-            "`ci/overlay export` (README, 'Work on the series')",
+            f"fill in the DEP-3 headers; fix diffs in `{layout.command} "
+            f"workspace`, then `{layout.command} export` (README, 'Work on the "
+            "series')",
         )
     return "series ok"
 
@@ -246,16 +247,17 @@ def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
     if args.dir is not None:
         raise OverlayError(
             "--dir names an existing workspace for --continue or --skip",
-            "run `ci/overlay workspace` without --dir to make build/workspace",
+            f"run `{layout.command} workspace` without --dir to make "
+            f"{layout.workspace}",
         )
     patches = overlay.check_checkout(layout)
     if not args.force and (lost := workspace.unsaved_work(ws)):
         raise OverlayError(
             f"{ws} holds work that making it again would discard:\n  "
             + "\n  ".join(lost),
-            "save it with `ci/overlay export` (after `ci/overlay workspace "
-            "--continue` if it stopped), or discard it: `ci/overlay workspace "
-            "--force`",
+            f"save it with `{layout.command} export` (after `{layout.command} "
+            f"workspace --continue` if it stopped), or discard it: "
+            f"`{layout.command} workspace --force`",
         )
     _lay_upstream(layout, ws)
     workspace.make_workspace(ws, patches, args.upto, layout.patches)
@@ -267,7 +269,7 @@ def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
     workspace.new_patch(ws, args.name)
     return (
         f"committed {args.name}: fill in its header with "
-        f"`git -C {ws} commit --amend`, then `ci/overlay export`"
+        f"`git -C {ws} commit --amend`, then `ci/overlay export --dir {ws}`"
     )
 
 

@@ -96,7 +96,9 @@ def _created_files(patch: Patch) -> set[str]:
     return created
 
 
-def apply_patch(tree: Path, patch: Patch) -> None:
+def apply_patch(tree: Path, patch: Patch, command: str = "ci/overlay") -> None:
+    """Apply ``patch`` exactly; ``command`` is the tool as the target's
+    hints name it (``Layout.command``)."""
     report = classify(tree, patch)
     if report.fit is not Fit.CLEAN:
         raise OverlayError(
@@ -104,8 +106,8 @@ def apply_patch(tree: Path, patch: Patch) -> None:
             f"{report.detail})",
             # Both commands work on the whole series, so running them as
             # printed refreshes this patch and keeps every later one.
-            "refresh it: `ci/overlay workspace` (applies the series with "
-            "quilt's tolerance, stops at a conflict), then `ci/overlay export` "
+            f"refresh it: `{command} workspace` (applies the series with "
+            f"quilt's tolerance, stops at a conflict), then `{command} export` "
             "(README, 'Refresh a patch')",
         )
     result = _patch(tree, patch.path, "--fuzz=0", "--quiet")
@@ -128,7 +130,7 @@ def apply_loosely(tree: Path, patch: Patch) -> None:
         )
 
 
-def apply_series(tree: Path, patches: list[Patch]) -> None:
+def apply_series(tree: Path, patches: list[Patch], command: str = "ci/overlay") -> None:
     for patch in patches:
-        apply_patch(tree, patch)
+        apply_patch(tree, patch, command)
         print(f"  applied {patch.name}", file=sys.stderr)

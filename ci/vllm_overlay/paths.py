@@ -25,6 +25,12 @@ class Layout:
     target: str = ""  # "" is the main target (pin.toml)
 
     @property
+    def command(self) -> str:
+        """How a hint names the tool for this target, so that it runs as
+        printed."""
+        return f"ci/overlay --target {self.target}" if self.target else "ci/overlay"
+
+    @property
     def pin(self) -> Path:
         if self.target:
             return self.targets / self.target / "pin.toml"

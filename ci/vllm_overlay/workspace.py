@@ -292,7 +292,8 @@ def new_patch(workspace: Path, name: str) -> None:
     if name in taken:
         raise OverlayError(
             f"{name} is taken (the series already has a patch of that name)",
-            f"pick a new name, e.g. `ci/overlay new {_next_free(taken, name)}`",
+            "pick a new name, e.g. "
+            f"`ci/overlay new {_next_free(taken, name)} --dir {workspace}`",
         )
     if not git(workspace, "status", "--porcelain"):
         raise OverlayError(
@@ -396,7 +397,7 @@ def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
         raise OverlayError(
             f"{workspace} has uncommitted changes: {_first_lines(dirty)}",
             f"commit them into a patch commit first (`git -C {workspace} "
-            "commit -a --amend`, or `ci/overlay new NAME`)",
+            f"commit -a --amend`, or `ci/overlay new NAME --dir {workspace}`)",
         )
     texts = exported_texts(workspace)
     drop = list(drop or [])
@@ -412,7 +413,8 @@ def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
         raise OverlayError(
             f"exporting {workspace} would remove {', '.join(missing)} from "
             f"{patches_dir / 'series'}",
-            "apply them (`ci/overlay workspace`), or say so: `ci/overlay export "
+            "apply them (`ci/overlay workspace`), or say so: "
+            f"`ci/overlay export --dir {workspace} "
             + " ".join(f"--drop {n}" for n in missing)
             + "`",
         )
