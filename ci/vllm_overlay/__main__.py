@@ -84,10 +84,6 @@ def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
     return _lay_upstream(layout, layout.pristine_tree)
 
 
-def cmd_series_dir(layout: Layout, args: argparse.Namespace) -> str:
-    return layout.patches.relative_to(layout.root).as_posix()
-
-
 def cmd_apply_series(layout: Layout, args: argparse.Namespace) -> str:
     official = fetch.fetch(load_pin(layout.pin).wheel, layout.downloads)
     return _apply_series(layout, args.tree, official)
@@ -192,7 +188,7 @@ def cmd_build(layout: Layout, args: argparse.Namespace) -> str:
     official = Path(cmd_fetch_wheel(layout, args))
     _step("lay a fresh upstream tree")
     tree = Path(cmd_prepare_tree(layout, args))
-    _step(f"apply {cmd_series_dir(layout, args)}/series")
+    _step(f"apply {layout.patches.relative_to(layout.root).as_posix()}/series")
     tree = Path(_apply_series(layout, tree, official))
     _step("copy overlay/")
     tree = Path(cmd_copy_overlay(layout, ns(tree=tree)))
@@ -318,7 +314,6 @@ def _parser() -> argparse.ArgumentParser:
     add("apply", cmd_apply, "build/tree: fresh upstream + series + overlay")
     add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
     add("pristine-tree", cmd_pristine_tree, "the unpatched tree, for comparisons")
-    add("series-dir", cmd_series_dir, "the target's series folder, checkout-relative")
     add(
         "apply-series", cmd_apply_series, "apply patches/series, zero fuzz"
     ).add_argument("tree", type=Path)

@@ -55,8 +55,10 @@ def check_checkout(checkout: Path, pin: Pin) -> str:
         first = dirty.splitlines()[0]
         raise OverlayError(
             f"{checkout} has local changes ({first.strip()}, ...)",
-            f"patches live in patches/, not in {checkout}: run "
-            f"`git -C {checkout} stash -u` or `git -C {checkout} checkout -- .`",
+            # Only a hint that keeps the edits: they may be a patch in the
+            # making.
+            f"patches live in patches/, not in {checkout}: put the edits "
+            f"aside with `git -C {checkout} stash -u`",
         )
     return head
 
