@@ -518,6 +518,11 @@ def run(
 
 def write_report(res: dict[str, Any], out: Path) -> None:
     (out / "dup_first.json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, out)
+
+
+def write_markdown(res: dict[str, Any], out: Path) -> None:
+    """``out``/dup_first.md from the report alone (``run_all.py --render-only``)."""
     (out / "dup_first.md").write_text("\n".join(report_lines(res)))
 
 
