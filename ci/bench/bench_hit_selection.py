@@ -483,7 +483,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
     )
     lines += [
         "",
-        "Issue 15's first rule, dup_first against the series: fewer blocks "
+        "The ship rule of 0006, dup_first against the series: fewer blocks "
         "computed on every trace, or equal on some and fewer on the others "
         "(median; and the seeds on which dup_first computes more):",
         "",
