@@ -652,8 +652,6 @@ def render(out: Path) -> None:
     build_json = out / "build.json"
     build = json.loads(build_json.read_text()) if build_json.is_file() else None
     run, hits = data["run"], data["dup_first"]
-    bench_hit_selection.write_markdown(hits, out)
-    bench_hit_lookup.write_markdown(data["hit_lookup"], out)
     trees = run["trees"]
     lines = [
         "# KV-event benchmarks" + (" (quick smoke run)" if run["quick"] else ""),
@@ -704,6 +702,9 @@ def render(out: Path) -> None:
         "Plots: " + ", ".join(run["plots"]),
         "",
     ]
+    # Written once every report has rendered, so a bad one changes nothing.
+    bench_hit_selection.write_markdown(hits, out)
+    bench_hit_lookup.write_markdown(data["hit_lookup"], out)
     (out / REPORT).write_text("\n".join(lines))
 
 
