@@ -11,6 +11,7 @@ import pytest
 
 from conftest import PATCH_HEADER, make_patch, write_series
 from vllm_overlay import manifest, notice, overlay, series
+from vllm_overlay.assemble import assemble_wheel
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import load_pin
@@ -88,3 +89,22 @@ def test_pyproject_without_license_files_is_named(tmp_path: Path) -> None:
         notice.declare_in_pyproject(tmp_path)
     assert "default route" in e.value.next_step
     assert (tmp_path / "pyproject.toml").read_text() == '[project]\nname = "x"\n'
+
+
+def test_assembling_an_unstamped_tree_names_the_missing_file(
+    checkout: Layout, tmp_path: Path
+) -> None:
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    manifest.write_manifest(tree, {})
+    with pytest.raises(OverlayError, match=f"{tree / notice.NAME} is missing") as e:
+        assemble_wheel(
+            tmp_path / "official.whl",
+            tree,
+            set(),
+            load_pin(checkout.pin),
+            tmp_path / "out",
+            0,
+        )
+    assert "./build.sh" in e.value.next_step
+    assert not (tmp_path / "out").exists()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from vllm_overlay import notice
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.manifest import MODULE as MANIFEST_MODULE
 from vllm_overlay.pin import Pin
 from vllm_overlay.wheelcheck import VERSION_FILE
 from vllm_overlay.zipmember import LOCAL_HEADER, raw_member
@@ -197,6 +198,12 @@ def assemble_wheel(
 ) -> tuple[Path, str]:
     """Write the overlay wheel of ``tree`` into ``out_dir``; return it and
     its sha256."""
+    for stamped in (MANIFEST_MODULE, notice.NAME):
+        if not (tree / stamped).is_file():
+            raise OverlayError(
+                f"{tree / stamped} is missing: the tree was not stamped",
+                "run ./build.sh again: it stamps the tree before building",
+            )
     old_info = f"{pin.distribution}-{pin.version}.dist-info/"
     new_info = f"{pin.distribution}-{pin.overlay_version}.dist-info/"
     target = out_dir / pin.overlay_wheel_name
