@@ -1,6 +1,7 @@
 """`ci/overlay lint` holds each patch header to DEP-3 and the project's fixed
-format (README, "Patches"): every rule accepts a good header and rejects a
-bad one with a message that says what to write instead."""
+format (docs/maintainers.md, "The patch format"): every rule accepts a good
+header and rejects a bad one with a message that says what to write
+instead."""
 
 from __future__ import annotations
 

@@ -30,9 +30,10 @@ DEP3_FIELDS = frozenset(
         "Applied-Upstream",
     }
 )
-# Forwarded is a URL, or one of these words (README, "Patches"). DEP-3 also
-# reads any other value, "yes" included, as "forwarded"; this project asks
-# for the URL instead, so a reader can open what upstream was sent.
+# Forwarded is a URL, or one of these words (docs/maintainers.md, "The patch
+# format"). DEP-3 also reads any other value, "yes" included, as "forwarded";
+# this project asks for the URL instead, so a reader can open what upstream
+# was sent.
 FORWARDED_WORDS = ("no", "not-needed")
 _URL = re.compile(r"https?://[^\s/]+\S*")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -159,7 +160,8 @@ def is_date(text: str) -> bool:
 
 def header_problems(patch: Patch) -> list[str]:
     """What keeps the patch's header from DEP-3 and the project's fixed format
-    (README, "Patches"), each with the edit that fixes it."""
+    (docs/maintainers.md, "The patch format"), each with the edit that fixes
+    it."""
     header = patch.header
     # A field still holding workspace.HEADER_TEMPLATE's <placeholder> is
     # reported as that alone, not also as a malformed value.
