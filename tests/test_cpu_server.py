@@ -22,13 +22,11 @@ and refuses ``copy_semantics`` at start-up (README, "The CPU server test").
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, built_wheel
+from conftest import REPO, built_wheel, run_harness
 from overlay_harness.serve_env import serve_env
 from overlay_harness.server_scenario import EXPECTED
 from vllm_overlay.paths import target_layout
@@ -52,11 +50,10 @@ def test_cpu_server_seed_scenario(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "report.json"
-    result = subprocess.run(
+    result = run_harness(
+        serve_python,
+        "server_scenario",
         [
-            str(serve_python),
-            "-m",
-            "overlay_harness.server_scenario",
             "--device",
             "cpu",
             "--policy",
@@ -66,10 +63,7 @@ def test_cpu_server_seed_scenario(
             "--log-dir",
             str(tmp_path),
         ],
-        env={**os.environ, "PYTHONPATH": str(REPO.root / "ci")},
-        capture_output=True,
-        text=True,
-        timeout=SCENARIO_TIMEOUT_S,
+        SCENARIO_TIMEOUT_S,
     )
     with capsys.disabled():
         print(f"\ncpu server ({policy}):\n{result.stdout}")

