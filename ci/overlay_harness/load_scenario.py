@@ -76,8 +76,6 @@ EXTRA = [
     "--max-num-seqs",
     str(THREADS),
 ]
-# POST /reset_prefix_cache is served in dev mode only.
-ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 ABORT_MAX_TOKENS = 48
 
 
@@ -386,7 +384,6 @@ def run(policy: str, label: str, args: argparse.Namespace) -> dict[str, Any]:
         args.log_dir / f"serve-load-{label}-{policy}.log",
         args,
         EXTRA,
-        ENV,
     )
     started = time.monotonic()
     scenario = Scenario(server, args)

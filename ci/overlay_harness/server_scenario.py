@@ -18,7 +18,11 @@ wants multiples of 32), 8 KV blocks, prefix caching and KV events over ZMQ;
 sends three identical two-block prompts one after the other, then twelve
 unique ones, over HTTP to 127.0.0.1; decodes the stream with the stock
 schema (``vllm.distributed.kv_events.KVEventBatch`` of the served vLLM) and
-prints the seed's report (``seed_scenario.Report``).
+prints the seed's report (``seed_scenario.Report``). Then, with the engine
+idle, ``POST /reset_prefix_cache``: its ``AllBlocksCleared`` must arrive
+with no request after it (``idle_reset_cleared``; an engine that publishes
+only from its steps sends it with the next request's batch, after that
+request's hit was decided).
 
 The subscriber binds ``tcp://127.0.0.1:<free port>`` before the server
 starts and the engine's publisher connects to it (``Server`` says how the
@@ -27,8 +31,8 @@ split by draining the stream until it has been quiet for ``--quiet-s``
 seconds after the last response.
 
 Exit status: 0 when every policy's figures match the expected ones (``none``
-leaves ``copy_semantics`` out and expects the unpatched 3/0/3/0), 1 on a
-mismatch, 2 on a set-up error.
+leaves ``copy_semantics`` out and expects the unpatched 3/0/3/0 and no
+idle-reset event), 1 on a mismatch, 2 on a set-up error.
 """
 
 from __future__ import annotations
@@ -115,10 +119,17 @@ def larger_cache(num_blocks: int, max_model_len: int) -> list[str]:
     ]
 
 
+# AllBlocksCleared events that arrive after a reset of the idle engine (the
+# cache holds only the device tier); upstream's engine sends none until the
+# next request.
+IDLE_RESET_CLEARED = {policy: 1 for policy in seed_scenario.EXPECTED} | {"none": 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class Report(seed_scenario.Report):
     device: str
     first_seq: int | None
+    idle_reset_cleared: int
 
 
 class SetupError(Exception):
@@ -249,7 +260,6 @@ class Server:
         log_path: Path,
         startup_timeout_s: float,
         extra: list[str] | None = None,
-        env: dict[str, str] | None = None,
         serve: list[str] | None = None,
     ) -> None:
         """``serve``: the command up to the model path (default: ``vllm
@@ -276,8 +286,9 @@ class Server:
             **os.environ,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            # POST /reset_prefix_cache exists only in dev mode.
+            "VLLM_SERVER_DEV_MODE": "1",
             **DEVICES[device].env,
-            **(env or {}),
         }
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -308,7 +319,6 @@ class Server:
         log_path: Path,
         args: argparse.Namespace,
         extra: list[str] | None = None,
-        env: dict[str, str] | None = None,
     ) -> Server:
         """A server as ``add_server_args``' options say; ``extra`` goes
         before ``--extra-serve-args``."""
@@ -318,7 +328,6 @@ class Server:
             log_path,
             args.startup_timeout,
             [*(extra or []), *shlex.split(args.extra_serve_args)],
-            env,
             module_serve(Path(sys.executable)) if args.module_entry else None,
         )
 
@@ -365,10 +374,14 @@ def run_policy(
         for i in range(seed_scenario.NUM_UNIQUE):
             complete(server.base, unique_prompt(i), args.request_timeout)
         after = sub.drain(args.quiet_s, 60)
+        http_json(server.base + "/reset_prefix_cache", {}, args.request_timeout)
+        idle_reset = sub.drain(args.quiet_s, 60)
     except (SetupError, urllib.error.URLError, OSError) as e:
         raise SetupError(f"{policy}: {server.failure(e)}") from e
     finally:
         server.close()
+    from vllm.distributed.kv_events import AllBlocksCleared
+
     target = seed_scenario.find_target(before, BLOCK_SIZE, TARGET_TOKENS)
     if target is None:
         events = [ev for b in before for ev in b.events]
@@ -386,6 +399,9 @@ def run_policy(
         sub,
         device=device,
         first_seq=sub.seqs[0] if sub.seqs else None,
+        idle_reset_cleared=sum(
+            isinstance(ev, AllBlocksCleared) for b in idle_reset for ev in b.events
+        ),
     )
 
 
@@ -394,6 +410,7 @@ def passed(report: Report) -> bool:
         report.figures() == EXPECTED[report.policy]
         and report.seq_gaps == 0
         and report.first_seq == 0
+        and report.idle_reset_cleared == IDLE_RESET_CLEARED[report.policy]
     )
 
 
