@@ -48,7 +48,7 @@ def run_harness(
 PATCH_HEADER = """\
 Description: test patch
 Author: Test <test@example.invalid>
-Forwarded: not-needed, test fixture
+Forwarded: not-needed
 Last-Update: 2026-12-01
 ---
 """
