@@ -119,7 +119,7 @@ class RouterView:
         return out
 
     def mirrors_agree(self) -> bool:
-        return self.set.keys == set(self.counting.counts)
+        return bool(self.set.keys == set(self.counting.counts))
 
     def figures(self) -> dict[str, int]:
         return {
