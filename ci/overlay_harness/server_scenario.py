@@ -104,6 +104,22 @@ DEVICES = {
 }
 
 
+def larger_cache(num_blocks: int, max_model_len: int) -> list[str]:
+    """CPU server flags on top of the scenario's for the live router runs: a
+    cache of ``num_blocks`` blocks (32 KiB a block for the tiny model in
+    float32), longer prompts, and the served hit in every response
+    (``usage.prompt_tokens_details.cached_tokens``)."""
+    return [
+        "--num-gpu-blocks-override",
+        str(num_blocks),
+        "--kv-cache-memory-bytes",
+        str(num_blocks * 32 * 1024),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prompt-tokens-details",
+    ]
+
+
 # AllBlocksCleared events that arrive after a reset of the idle engine (the
 # cache holds only the device tier); upstream's engine sends none until the
 # next request.
@@ -290,6 +306,25 @@ class Server:
             raise SetupError(self.failure(e)) from e
         self.startup_s = time.monotonic() - started
 
+    @classmethod
+    def from_args(
+        cls,
+        device: str,
+        policy: str,
+        log_path: Path,
+        args: argparse.Namespace,
+        extra: list[str] | None = None,
+    ) -> Server:
+        """A server as ``add_server_args``' options say; ``extra`` goes
+        before ``--extra-serve-args``."""
+        return cls(
+            device,
+            policy,
+            log_path,
+            args.startup_timeout,
+            [*(extra or []), *shlex.split(args.extra_serve_args)],
+        )
+
     def _attach_publisher(self, monitor: Any) -> None:
         import zmq
         from zmq.utils.monitor import recv_monitor_message
@@ -322,12 +357,8 @@ class Server:
 def run_policy(
     device: str, policy: str, log_dir: Path, args: argparse.Namespace
 ) -> Report:
-    server = Server(
-        device,
-        policy,
-        log_dir / f"serve-{device}-{policy}.log",
-        args.startup_timeout,
-        shlex.split(args.extra_serve_args),
+    server = Server.from_args(
+        device, policy, log_dir / f"serve-{device}-{policy}.log", args
     )
     sub = server.sub
     try:
@@ -377,6 +408,17 @@ def passed(report: Report) -> bool:
     )
 
 
+def add_server_args(
+    ap: argparse.ArgumentParser, request_timeout_s: float, quiet_s: float
+) -> None:
+    """The options of every driver of a ``Server``."""
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=request_timeout_s)
+    ap.add_argument("--quiet-s", type=float, default=quiet_s)
+    ap.add_argument("--extra-serve-args", default="", help="appended to the server")
+    ap.add_argument("--log-dir", type=Path, help="server logs (default: temp dir)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=sorted(DEVICES), required=True)
@@ -387,12 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         help="copy_semantics value; repeatable (default: logical, last_copy, "
         "physical); 'none' leaves the field out",
     )
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--quiet-s", type=float, default=2.0)
-    ap.add_argument("--extra-serve-args", default="", help="appended to the server")
+    add_server_args(ap, request_timeout_s=120.0, quiet_s=2.0)
     ap.add_argument("--out", type=Path, help="also write the reports here (JSON)")
-    ap.add_argument("--log-dir", type=Path, help="server logs (default: temp dir)")
     args = ap.parse_args(argv)
     policies = args.policy or ["logical", "last_copy", "physical"]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="seed-scenario-"))
