@@ -1,10 +1,10 @@
 """Cost of the KV-event snapshot record (patch 0008), measured in one run.
 
-    PYTHONPATH=build/tree PY ci/bench/bench_snapshot.py --out docs/benchmarks
+    PYTHONPATH=build/tree "$PY" ci/bench/bench_snapshot.py --out docs/benchmarks
 
-Run from outside the tree's directory with ``PYTHONPATH`` naming a patched
-tree (the test venv's python has the engine's requirements). It writes
-``snapshot.json``:
+``PYTHONPATH`` names a patched tree; ``$PY`` is the test venv's python
+(``PYTHONPATH=ci python3 -m overlay_harness.testenv dist/vllm-0.33.0*.whl``),
+which has the engine's requirements. It writes ``snapshot.json``:
 
 * ``live``: the real ``ZmqEventPublisher`` publishing the same stream of
   batches (each 4 stored runs of 8 blocks of 16 tokens and 32 removed keys,
@@ -13,7 +13,10 @@ tree (the test venv's python has the engine's requirements). It writes
   the time from the first ``publish`` to the last batch read by a SUB socket
   on 127.0.0.1. Medians per mode, their ratio, and the spread of each mode
   (its first half of repeats against its second).
-* ``apply_us_per_batch``: ``KVEventRecord.apply`` alone on the same batches.
+  Wall time and the process's CPU time (all threads), the latter less
+  disturbed by a loaded machine.
+* ``apply_cpu_us_per_batch``: ``KVEventRecord.apply`` alone on the same
+  batches (thread CPU time).
 * ``memory``: bytes per held key (tracemalloc) of a record built from such
   stores, the announcing events included (the record keeps them alive).
 * ``snapshot``: for 1k, 10k and 100k held keys, the time from a snapshot
@@ -88,7 +91,9 @@ class Stream:
         return KVEventBatch(ts=time.time(), events=events)
 
 
-def publish_time(batches: list[KVEventBatch], max_keys: int) -> float:
+def publish_time(batches: list[KVEventBatch], max_keys: int) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, all threads) from the first
+    ``publish`` to the last batch read."""
     pub = ZmqEventPublisher(
         0,
         endpoint="tcp://*:0",
@@ -102,7 +107,7 @@ def publish_time(batches: list[KVEventBatch], max_keys: int) -> float:
     sub.connect(pub.get_publisher_config().endpoint)
     time.sleep(0.3)  # the SUB must be connected before the first batch
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for batch in batches:
             pub.publish(batch)
         last = -1
@@ -110,7 +115,7 @@ def publish_time(batches: list[KVEventBatch], max_keys: int) -> float:
             if not sub.poll(5000):
                 raise RuntimeError(f"stalled after seq {last}")
             last = int.from_bytes(sub.recv_multipart()[1], "big")
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
     finally:
         sub.close(linger=0)
         pub.shutdown()
@@ -121,28 +126,43 @@ def live(repeats: int, n_batches: int) -> dict[str, Any]:
     warm = [stream.batch() for _ in range(400)]  # fills to ~8,000 held keys
     batches = warm + [stream.batch() for _ in range(n_batches)]
     times: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(repeats):
         for mode in ("on", "off"):  # ABAB
-            times[mode].append(publish_time(batches, 1_000_000 if mode == "on" else 0))
-    per_batch = {m: statistics.median(t) / len(batches) * 1e6 for m, t in times.items()}
-    half = repeats // 2
-    spread = {
-        m: statistics.median(t[:half]) / statistics.median(t[half:])
-        for m, t in times.items()
-    }
+            wall, used = publish_time(batches, 1_000_000 if mode == "on" else 0)
+            times[mode].append(wall)
+            cpu[mode].append(used)
+
+    def per_batch_us(samples: dict[str, list[float]]) -> dict[str, float]:
+        return {
+            m: statistics.median(t) / len(batches) * 1e6 for m, t in samples.items()
+        }
+
+    def spread(samples: dict[str, list[float]]) -> dict[str, float]:
+        half = repeats // 2
+        return {
+            m: statistics.median(t[:half]) / statistics.median(t[half:])
+            for m, t in samples.items()
+        }
+
+    wall_us, cpu_us = per_batch_us(times), per_batch_us(cpu)
     record = KVEventRecord("logical")
-    start = time.perf_counter()
+    start = time.thread_time()
     for batch in batches:
         record.apply(batch.events)
-    apply_us = (time.perf_counter() - start) / len(batches) * 1e6
+    apply_us = (time.thread_time() - start) / len(batches) * 1e6
     return {
         "batches": len(batches),
         "events_per_batch": "4 BlockStored x 8 blocks x 16 tokens, 1 BlockRemoved x 32",
-        "seconds": times,
-        "median_us_per_batch": per_batch,
-        "ratio_on_over_off": per_batch["on"] / per_batch["off"],
-        "spread_first_half_over_second": spread,
-        "apply_us_per_batch": apply_us,
+        "wall_seconds": times,
+        "cpu_seconds": cpu,
+        "wall_us_per_batch": wall_us,
+        "cpu_us_per_batch": cpu_us,
+        "wall_ratio_on_over_off": wall_us["on"] / wall_us["off"],
+        "cpu_ratio_on_over_off": cpu_us["on"] / cpu_us["off"],
+        "wall_spread_first_half_over_second": spread(times),
+        "cpu_spread_first_half_over_second": spread(cpu),
+        "apply_cpu_us_per_batch": apply_us,
         "held_keys_at_end": record.num_keys,
     }
 
