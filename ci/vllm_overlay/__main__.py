@@ -19,6 +19,7 @@ from vllm_overlay import (
     dist,
     fetch,
     manifest,
+    notice,
     overlay,
     rebase,
     series,
@@ -108,13 +109,12 @@ def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_stamp(layout: Layout, args: argparse.Namespace) -> str:
-    data = manifest.build_manifest(
-        overlay.labelled_pin(layout),
-        series.load_series(layout.patches),
-        overlay.overlay_files(layout.overlay),
-        args.mode,
-    )
+    pin = overlay.labelled_pin(layout)
+    patches = series.load_series(layout.patches)
+    overlay_files = overlay.overlay_files(layout.overlay)
+    data = manifest.build_manifest(pin, patches, overlay_files, args.mode)
     manifest.write_manifest(args.tree, data)
+    notice.write_notice(args.tree, notice.render(pin, patches, overlay_files))
     return str(args.tree)
 
 
@@ -320,7 +320,9 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "copy-overlay", cmd_copy_overlay, "add overlay/ files to the tree"
     ).add_argument("tree", type=Path)
-    p = add("stamp", cmd_stamp, "write the provenance manifest into the tree")
+    p = add(
+        "stamp", cmd_stamp, "write the provenance manifest and the notice into the tree"
+    )
     p.add_argument("tree", type=Path)
     p.add_argument("--mode", choices=build.MODES, default="assemble")
     add("manifest", cmd_manifest, "print the manifest a tree carries").add_argument(
