@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overlay_harness import upstream_tests as ut  # noqa: E402
@@ -189,7 +190,7 @@ def run_tests(
     return {k: r.outcome for k, r in ut.parse_junit(junit, test_tree).items()}
 
 
-def render(report: dict) -> str:
+def render(report: dict[str, Any]) -> str:
     lines = [
         "# Mutation suite",
         "",

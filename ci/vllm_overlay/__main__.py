@@ -11,6 +11,7 @@ import json
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from vllm_overlay import (
@@ -272,7 +273,9 @@ def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
     ws = (args.dir or layout.workspace).absolute()
     names = workspace.export(ws, args.drop)
-    return f"exported {len(names)} patches to {workspace.State.load(ws).export_to}"
+    state = workspace.State.load(ws)
+    assert state is not None  # export refuses a workspace without its state
+    return f"exported {len(names)} patches to {state.export_to}"
 
 
 def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
@@ -301,7 +304,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+    def add(
+        name: str, func: Callable[[Layout, argparse.Namespace], str], help: str
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         p.set_defaults(func=func)
         return p
