@@ -41,15 +41,18 @@ from typing import Any
 import msgspec
 import zmq
 from vllm.distributed.kv_events import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     KVEventRecord,
     ZmqEventPublisher,
 )
+from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 
 BLOCK = 16
 RUN = 8
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class Stream:
@@ -58,12 +61,14 @@ class Stream:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.next_hash = 1
-        self.held: list[int] = []
+        self.held: list[ExternalBlockHash] = []
 
-    def stores(self, runs: int) -> list[BlockStored]:
-        out = []
+    def stores(self, runs: int) -> list[Event]:
+        out: list[Event] = []
         for _ in range(runs):
-            hashes = list(range(self.next_hash, self.next_hash + RUN))
+            hashes: list[ExternalBlockHash] = list(
+                range(self.next_hash, self.next_hash + RUN)
+            )
             self.next_hash += RUN
             out.append(
                 BlockStored(
@@ -84,7 +89,7 @@ class Stream:
         return out
 
     def batch(self, runs: int = 4, removals: int = 32) -> KVEventBatch:
-        events: list[Any] = self.stores(runs)
+        events = self.stores(runs)
         if len(self.held) > 8000:
             gone, self.held = self.held[:removals], self.held[removals:]
             events.append(BlockRemoved(block_hashes=gone, medium="GPU", group_idx=0))
@@ -101,7 +106,7 @@ def publish_time(batches: list[KVEventBatch], max_keys: int) -> tuple[float, flo
         buffer_steps=1000,
         snapshot_max_keys=max_keys,
     )
-    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(pub.get_publisher_config().endpoint)
@@ -187,8 +192,10 @@ def snapshot(keys: int, repeats: int) -> dict[str, Any]:
     stream = Stream(2)
     for _ in range(-(-keys // (RUN * 16))):
         pub.publish(KVEventBatch(ts=time.time(), events=stream.stores(16)))
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(pub.get_publisher_config().replay_endpoint)
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    replay = pub.get_publisher_config().replay_endpoint
+    assert replay is not None  # bound above
+    dealer.connect(replay)
     request = msgspec.msgpack.encode({"op": "snapshot"})
     totals, held = [], 0
     try:
