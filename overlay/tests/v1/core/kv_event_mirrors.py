@@ -2,7 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Router mirrors of a KV-event stream, per medium, for the overlay's tests.
 
-Two consumers as deployed routers build them from ``KVEventBatch`` events:
+The mirrors are the reference consumer's (``vllm.distributed.kv_events_consumer``,
+shipped in the wheel); two consumers as deployed routers build them from
+``KVEventBatch`` events:
 
 * ``SetMirror``: a set-style router (store adds, removal discards,
   ``AllBlocksCleared`` clears);
@@ -21,7 +23,7 @@ holds, as the events name them, with their number of physical copies.
 
 from collections import Counter
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_events_consumer import CountMirror, MirrorKey, SetMirror
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     get_block_hash,
@@ -29,50 +31,7 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
 )
 
-MirrorKey = tuple[str | None, int | None, object]
-
-
-def _keys(event: BlockStored | BlockRemoved) -> list[MirrorKey]:
-    return [(event.medium, event.group_idx, h) for h in event.block_hashes]
-
-
-class SetMirror:
-    def __init__(self) -> None:
-        self.keys: set[MirrorKey] = set()
-        self.unknown_removals: list[tuple[MirrorKey, object]] = []
-
-    def apply(self, event: object) -> None:
-        if isinstance(event, BlockStored):
-            self.keys.update(_keys(event))
-        elif isinstance(event, BlockRemoved):
-            for key in _keys(event):
-                if key in self.keys:
-                    self.keys.remove(key)
-                else:
-                    self.unknown_removals.append((key, event))
-        elif isinstance(event, AllBlocksCleared):
-            self.keys.clear()
-
-
-class CountMirror:
-    def __init__(self) -> None:
-        self.counts: Counter[MirrorKey] = Counter()
-        self.unknown_removals: list[tuple[MirrorKey, object]] = []
-
-    def apply(self, event: object) -> None:
-        if isinstance(event, BlockStored):
-            self.counts.update(_keys(event))
-        elif isinstance(event, BlockRemoved):
-            for key in _keys(event):
-                if self.counts[key] > 0:
-                    self.counts[key] -= 1
-                    if self.counts[key] == 0:
-                        del self.counts[key]
-                else:
-                    self.counts.pop(key, None)
-                    self.unknown_removals.append((key, event))
-        elif isinstance(event, AllBlocksCleared):
-            self.counts.clear()
+__all__ = ["CountMirror", "SetMirror", "resident_copies"]
 
 
 def resident_copies(pools: dict[str, list[BlockPool]]) -> Counter[MirrorKey]:

