@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LINES, REPO, make_patch, write_series
-from vllm_overlay import adopt, apply, rebase, series
+from vllm_overlay import adopt, apply, rebase, series, workspace
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
@@ -323,3 +323,120 @@ def test_adopt_is_all_or_nothing(project: Path, monkeypatch) -> None:
     assert len(calls) > 4  # the rollback ran
     assert _files(project) == before
     assert not list(project.rglob("*.adopt-*"))
+
+
+def _take_the_patch_side(ws: Path) -> None:
+    """Resolve each conflicted file as the patch has it (the lines between
+    ``=======`` and ``>>>>>>>``): what a hurried maintainer does."""
+    for rel in _git(ws, "diff", "--name-only", "--diff-filter=U").split():
+        text = (ws / rel).read_text()
+        (ws / rel).write_text(
+            re.sub(
+                r"^<<<<<<<.*?^=======\n(.*?)^>>>>>>>.*?\n",
+                r"\1",
+                text,
+                flags=re.S | re.M,
+            )
+        )
+
+
+@pytest.mark.real_release
+def test_rebase_onto_032_cannot_adopt_an_undefined_name(tmp_path: Path) -> None:
+    """Issue 20's reproduction on the real 0.32.0 sdist: the series moves by
+    3-way merges, so 0001 stops with markers instead of landing by line
+    number; with every conflict resolved to the patch's side, the checks
+    name 0005 and the name 0.32.0 does not define, and adopt refuses."""
+    layout = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
+    ws = adopt.version_dir(layout, "0.32.0") / "workspace"
+
+    def overlay(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ci/overlay", *args], cwd=layout.root, capture_output=True, text=True
+        )
+
+    written = overlay("rebase-check", "0.32.0", "--write")
+    assert written.returncode == 0, written.stderr
+    assert re.search(
+        r"stopped: 0001-\S+ does not apply .*3-way merge.*conflict markers in "
+        r"vllm/v1/core/kv_cache_coordinator.py",
+        written.stderr,
+    ), written.stderr
+    before = _files(layout.root, "patches", "pin.toml")
+    for _ in series.read_series(layout.patches):
+        _take_the_patch_side(ws)
+        last = overlay("workspace", "--continue", "--dir", str(ws))
+        if "does not apply" not in last.stderr:
+            break
+    finding = (
+        r"0005-kv-events-offloading-copy-semantics.patch: \S+events.py:\d+:\d+: "
+        r"F821 Undefined name `_PRIMARY_RESIDENCY`"
+    )
+    assert last.returncode == 1 and re.search(finding, last.stderr), last.stderr
+    assert overlay("export", "--dir", str(ws)).returncode == 0
+    adopted = overlay("adopt", "0.32.0")
+    assert adopted.returncode == 1 and re.search(finding, adopted.stderr)
+    assert _files(layout.root, "patches", "pin.toml") == before
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+REBASED_SERIES = {
+    "0001-a.patch": make_patch(LINES, LINES.replace("line 5\n", "five\n"), "pkg/a.py"),
+    "0002-b10.patch": make_patch(
+        LINES, LINES.replace("line 10\n", "ten\n"), "pkg/b.py"
+    ),
+    "0003-b20.patch": make_patch(LINES, LINES.replace("line 20\n", "20\n"), "pkg/b.py"),
+}
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["resolve", "skip"])
+def test_rebase_is_a_three_way_merge(
+    checkout: Layout, tmp_path: Path, skip: bool
+) -> None:
+    """The new release moved a.py's lines (0001 merges at its new place) and
+    changed the line 0002 changes (it stops with markers, 0003 waiting);
+    resolving or skipping it finishes the rebase and the export."""
+    write_series(checkout, REBASED_SERIES)
+    ws = _tree(tmp_path / "ws", {"pkg/a.py": LINES, "pkg/b.py": LINES})
+    new = {
+        "pkg/a.py": "new\nlines\n" + LINES,
+        "pkg/b.py": LINES.replace("line 10\n", "LINE 10\n"),
+    }
+    release = _tree(tmp_path / "release", new)
+    out = tmp_path / "rebased"
+    with pytest.raises(OverlayError) as stop:
+        workspace.rebase_workspace(
+            ws, series.load_series(checkout.patches), release, out, "", "ci/overlay"
+        )
+    assert re.match(
+        r"0002-b10.patch does not apply .*3-way merge.*conflict markers in pkg/b.py; "
+        r"1 later patches wait",
+        stop.value.what,
+    )
+    b = (ws / "pkg" / "b.py").read_text()
+    assert "<<<<<<< " in b and "||||||| " in b and "LINE 10\n" in b and "ten\n" in b
+    assert (ws / "pkg" / "a.py").read_text() == new["pkg/a.py"].replace(
+        "line 5\n", "five\n"
+    )
+    assert release.joinpath("pkg", "b.py").read_text() == new["pkg/b.py"]
+    with pytest.raises(OverlayError, match="has not applied"):
+        workspace.export(ws)
+    if skip:
+        workspace.continue_workspace(ws, skip=True)
+    else:
+        with pytest.raises(
+            OverlayError, match="still has conflict markers in pkg/b.py"
+        ):
+            workspace.continue_workspace(ws, skip=False)
+        (ws / "pkg" / "b.py").write_text(new["pkg/b.py"].replace("LINE 10\n", "ten\n"))
+        workspace.continue_workspace(ws, skip=False)
+    assert workspace.export(ws) == [
+        n for n in REBASED_SERIES if not skip or n != "0002-b10.patch"
+    ]
+    assert "@@ -4,7 +4,7 @@" in (out / "0001-a.patch").read_text()
+    assert "-line 20\n+20\n" in (out / "0003-b20.patch").read_text()

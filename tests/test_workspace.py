@@ -267,3 +267,31 @@ def test_skip_leaves_a_patch_out_only_when_told(checkout: Layout) -> None:
     workspace.continue_workspace(ws, skip=True)
     workspace.export(ws)
     assert series.read_series(checkout.patches) == ["0001-p1.patch", "0003-p3.patch"]
+
+
+def test_fuzz_is_quilts_two_at_most_and_each_use_is_named(
+    checkout: Layout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One changed context line: the hunk goes in with fuzz 1 and a warning
+    naming its file and header."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    _upstream(checkout, LINES.replace("line 2\n", "line two\n"))
+    _workspace(checkout)
+    assert (
+        "  warning: 0001-five.patch: pkg/mod.py @@ -2,7 +2,7 @@: applied at line 2 "
+        "with fuzz 1" in capsys.readouterr().err
+    )
+
+
+def test_a_hunk_without_its_context_stops(checkout: Layout) -> None:
+    """Every context line above the change changed: fuzz 3 would land the
+    hunk by its line number alone; the workspace stops at it instead."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    moved = LINES
+    for n in (2, 3, 4):
+        moved = moved.replace(f"line {n}\n", f"moved {n}\n")
+    _upstream(checkout, moved)
+    with pytest.raises(
+        OverlayError, match=r"0001-five.patch does not apply .*conflict"
+    ):
+        _workspace(checkout)

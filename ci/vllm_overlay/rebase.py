@@ -1,19 +1,25 @@
-"""Rebase dry-run: how the series fits other upstream releases.
+"""Rebase: how the series fits other upstream releases, and moving it.
 
-Each patch is tried alone on a fresh tree of the target release and in
-sequence (a patch that fits with offset or fuzz is applied loosely so the
-next ones see it; a conflicting one is left out). Only the files the series
-touches are laid, since a patch reads nothing else. The result is a matrix
-of ``apply.Fit`` classes, with the file, hunk header and next command of
-every conflict, printed for people and written as JSON for machines.
+The dry run tries each patch alone on a fresh tree of the target release and
+in sequence (a patch that fits with offset or fuzz, at most quilt's 2, is
+applied so the next ones see it; a conflicting one is left out). Only the
+files the series touches are laid, since a patch reads nothing else. The
+result is a matrix of ``apply.Fit`` classes, with the file, hunk header and
+next command of every conflict, printed for people and written as JSON for
+machines. It only reports: nothing is moved by line number.
 
-With ``--write``, the release's full tree becomes a workspace
-(``build/rebase/VERSION/workspace``) holding the whole series: it stops at
-the first patch that needs a human, the later ones still unrefreshed, and
-the maintainer finishes it with ``ci/overlay workspace --continue`` and
-``ci/overlay export``, which writes ``build/rebase/VERSION/rebased/patches``
-next to the ``pin.toml`` for that release. Nothing is ever deleted there: a
-second ``--write`` refuses while earlier work would be lost.
+With ``--write`` the series is moved the way git moves commits
+(``workspace.rebase_workspace``): ``build/rebase/VERSION/workspace`` holds
+the pinned release, one commit per patch and the new release, and ``git
+rebase --onto`` replays each patch by a 3-way merge whose base is the
+pinned release; a conflict stops with markers for a human (``ci/overlay
+workspace --continue``). The finished tree is then checked by running code
+(``check_rebased``: compile, ruff with upstream's config and F821), each
+problem named by its patch; ``export`` writes ``rebased/patches`` next to
+the release's ``pin.toml`` and a copy of the overlay, and ``ci/overlay
+adopt VERSION`` (adopt.py) checks again and puts them in place. Nothing is
+ever deleted there: a second ``--write`` refuses while earlier work would
+be lost.
 """
 
 from __future__ import annotations
@@ -96,42 +102,12 @@ def extract_files(sdist: Path, files: set[str], dest: Path) -> None:
                 archive.extract(member, dest, filter="data")
 
 
-def _file_sections(text: str) -> list[tuple[str, str]]:
-    """(target, that file's part of the diff) for each file a patch changes."""
-    lines = text.splitlines(keepends=True)
-    starts: list[int] = []
-    for i, line in enumerate(lines):
-        if (
-            line.startswith("diff ")
-            or (
-                line.startswith("--- ")
-                and lines[i + 1 : i + 2] != []
-                and lines[i + 1].startswith("+++ ")
-                # a plain `diff -u` file header, not the one after `diff --git`
-                and (
-                    not starts
-                    or any(x.startswith("+++ ") for x in lines[starts[-1] : i])
-                )
-            )
-        ):
-            starts.append(i)
-    sections = []
-    for start, end in zip(starts, [*starts[1:], len(lines)], strict=True):
-        part = lines[start:end]
-        target = next(
-            (m.group(1) for x in part if (m := re.match(r"^\+\+\+ (?:b/)?(\S+)", x))),
-            "",
-        )
-        sections.append((target, "".join(part)))
-    return sections
-
-
 def failed_hunks(tree: Path, patch: Patch) -> tuple[tuple[str, str], ...]:
     """The file and ``@@`` header of every hunk of ``patch`` that fails on
     ``tree`` even with fuzz (patch numbers hunks per file, so each file's
     part of the diff is tried on its own)."""
     failed = []
-    for target, section in _file_sections(patch.path.read_text()):
+    for target, section in apply.file_sections(patch.path.read_text()):
         result = subprocess.run(
             [
                 "patch",
@@ -139,7 +115,7 @@ def failed_hunks(tree: Path, patch: Patch) -> tuple[tuple[str, str], ...]:
                 "--batch",
                 "--forward",
                 "--dry-run",
-                "--fuzz=3",
+                f"--fuzz={apply.MAX_FUZZ}",
                 "-d",
                 str(tree),
             ],
