@@ -206,9 +206,13 @@ def test_workspace_refuses_to_discard_work(checkout: Layout) -> None:
     assert "uncommitted: M pkg/f1.py" in refused.stderr
     assert "uncommitted: ?? pkg/new.py" in refused.stderr
     assert (ws / "pkg" / "new.py").exists()
-    sh(checkout, f"git -C {ws} add -A && git -C {ws} commit -q --amend --no-edit")
+    amend, new, export, force = hint_commands(refused.stderr.split("next:")[1])
+    assert (new, export) == ("ci/overlay new NNNN-name.patch", "ci/overlay export")
+    assert force == "ci/overlay workspace --force"
+    sh(checkout, amend)  # as printed
     refused = sh(checkout, "ci/overlay workspace", ok=False)
     assert "unexported commit: 0003-p3.patch" in refused.stderr
+    assert hint_commands(refused.stderr.split("next:")[1]) == [export, force]
     assert (ws / "pkg" / "new.py").exists()
     sh(checkout, "ci/overlay export")
     sh(checkout, "ci/overlay workspace")  # everything saved: no refusal
@@ -295,3 +299,40 @@ def test_a_hunk_without_its_context_stops(checkout: Layout) -> None:
         OverlayError, match=r"0001-five.patch does not apply .*conflict"
     ):
         _workspace(checkout)
+
+
+def test_export_never_reverts_a_change_it_did_not_make(checkout: Layout) -> None:
+    """A patch changed in patches/ after the workspace was made (a hand
+    edit, a git pull): export refuses, naming it, and writes nothing;
+    --force overwrites it with the workspace's version."""
+    write_series(checkout, THREE)
+    _upstream(checkout, {f"f{i}.py": LINES for i in (1, 2, 3)})
+    ws = _workspace(checkout)
+    pulled = checkout.patches / "0002-p2.patch"
+    pulled.write_text(pulled.read_text().replace("test patch", "a pulled fix"))
+    before = {p.name: p.read_bytes() for p in checkout.patches.iterdir()}
+    with pytest.raises(OverlayError, match=r"0002-p2.patch changed since") as e:
+        workspace.export(ws)
+    assert "0001" not in e.value.what and "--force" in e.value.next_step
+    assert {p.name: p.read_bytes() for p in checkout.patches.iterdir()} == before
+    workspace.export(ws, force=True)
+    assert pulled.read_text() == workspace.exported_texts(ws)["0002-p2.patch"]
+    # what export wrote is what the next export compares with
+    workspace.export(ws)
+
+
+def test_patch_leftovers_are_no_work(checkout: Layout) -> None:
+    """The .orig and .rej files GNU patch leaves do not block export and
+    are not committed by `new`."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    _upstream(checkout, LINES)
+    ws = _workspace(checkout)
+    workspace.export(ws)  # the fixture's patch, in export format
+    (ws / "pkg" / "mod.py.orig").write_text(LINES)
+    (ws / "pkg" / "mod.py.rej").write_text("--- a hunk\n")
+    assert workspace.unsaved_work(ws) == []
+    workspace.export(ws)
+    (ws / "pkg" / "new.py").write_text("NEW = 1\n")
+    workspace.new_patch(ws, "0002-new.patch")
+    workspace.export(ws)
+    assert series.load_series(checkout.patches)[-1].targets == ("pkg/new.py",)

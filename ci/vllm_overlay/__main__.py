@@ -256,13 +256,29 @@ def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
         raise OverlayError(
             f"{ws} holds work that making it again would discard:\n  "
             + "\n  ".join(lost),
-            f"save it with `{layout.command} export` (after `{layout.command} "
-            f"workspace --continue` if it stopped), or discard it: "
+            f"save it: {_save_steps(layout, ws, lost)}; or discard it: "
             f"`{layout.command} workspace --force`",
         )
     _lay_upstream(layout, ws)
     workspace.make_workspace(ws, patches, args.upto, layout.patches)
     return str(ws)
+
+
+def _save_steps(layout: Layout, ws: Path, lost: list[str]) -> str:
+    """The commands that save a workspace's work, in the state it is in
+    (export refuses uncommitted edits and patches still waiting)."""
+    steps = []
+    if any(line.startswith("uncommitted:") for line in lost):
+        steps.append(
+            f"commit the edits into a patch (`git -C {ws} add -A && git -C {ws} "
+            f"commit -q --amend --no-edit` for the last one, `{layout.command} new "
+            "NNNN-name.patch` for a new one)"
+        )
+    state = workspace.State.load(ws)
+    if state is not None and (state.pending or state.stopped):
+        steps.append(f"`{workspace.continue_hint(ws)}`")
+    steps.append(f"`{layout.command} export`")
+    return ", then ".join(steps)
 
 
 def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
@@ -276,7 +292,7 @@ def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
     ws = (args.dir or layout.workspace).absolute()
-    names = workspace.export(ws, args.drop)
+    names = workspace.export(ws, args.drop, args.force)
     return f"exported {len(names)} patches to {workspace.State.load(ws).export_to}"
 
 
@@ -371,6 +387,11 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         metavar="PATCH",
         help="let the export remove this patch of the series (repeatable)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite changes made to the series since the workspace was made",
     )
     p = add("rebase-check", cmd_rebase_check, "dry-run the series on other releases")
     p.add_argument("versions", nargs="+", metavar="VERSION")

@@ -18,6 +18,7 @@ refuses to write a series shorter than the one it came from unless told.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -94,6 +95,11 @@ def init_repo(repo: Path) -> None:
     git(repo, "init", "-q", "-b", "workspace")
     for key, value in _CONFIG.items():
         git(repo, "config", key, value)
+    # What GNU patch leaves beside a file it could not patch cleanly is no
+    # part of any patch: never uncommitted work, never committed by `new`.
+    (repo / ".git" / "info").mkdir(exist_ok=True)
+    with (repo / ".git" / "info" / "exclude").open("a") as exclude:
+        exclude.write("*.orig\n*.rej\n")
 
 
 def _commit(repo: Path, message: str) -> None:
@@ -122,6 +128,9 @@ class State:
     # still to do, and the finished tree is checked before export.
     rebase: bool = False
     target: str = ""  # whose series it is: hints name ``--target`` for it
+    # sha256 of each file of the series directory as the workspace last
+    # read or wrote it (None: made by an older ci/overlay, not checked).
+    made_from: dict[str, str] | None = None
 
     @staticmethod
     def dir(ws: Path) -> Path:
@@ -175,8 +184,21 @@ def _start(tree: Path, patches: list[Patch], export_to: Path) -> State:
         shutil.copyfile(patch.path, store / patch.name)
     (store / "series").write_text("".join(f"{p.name}\n" for p in patches))
     state = State(str(export_to.absolute()), [p.name for p in patches])
+    state.made_from = series_files(export_to)
     state.save(tree)
     return state
+
+
+def series_files(patches_dir: Path) -> dict[str, str]:
+    """sha256 of each file of a series directory that export writes (a
+    folder in it is another target's series, not this one's)."""
+    if not patches_dir.is_dir():
+        return {}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(patches_dir.iterdir())
+        if p.is_file() and (p.suffix == ".patch" or p.name == "series")
+    }
 
 
 def _message(patch: Patch) -> str:
@@ -532,12 +554,31 @@ def unsaved_work(ws: Path) -> list[str]:
     return lost
 
 
-def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
+def export(
+    workspace: Path, drop: list[str] | None = None, force: bool = False
+) -> list[str]:
     """Write the workspace's commits to its series directory; return the
-    names. Refuses while patches wait, and when the result would lose a
-    patch of the old series that is not named in ``drop``."""
+    names. Refuses while patches wait, when the result would lose a patch
+    of the old series that is not named in ``drop``, and (unless ``force``)
+    when the series directory changed since the workspace was made or last
+    exported: writing would revert that change."""
     state = _state(workspace)
     patches_dir = Path(state.export_to)
+    if state.made_from is not None and not force:
+        now = series_files(patches_dir)
+        if changed := sorted(
+            n
+            for n in state.made_from.keys() | now.keys()
+            if state.made_from.get(n) != now.get(n)
+        ):
+            raise OverlayError(
+                f"{', '.join(str(patches_dir / n) for n in changed)} changed since "
+                f"{workspace} was made from the series (or last exported to it); "
+                "exporting would overwrite that",
+                f"keep the change: commit or stash it, make the workspace again and "
+                f"redo the edit there; or overwrite it: `ci/overlay export --dir "
+                f"{workspace} --force`",
+            )
     if state.pending or rebasing(workspace):
         waiting = (
             ", ".join(state.pending) or f"the rest of its rebase ({state.stopped})"
@@ -600,5 +641,6 @@ def export(workspace: Path, drop: list[str] | None = None) -> list[str]:
     for name in [*drop, *state.dropped]:
         print(f"  dropped {name}", file=sys.stderr)
     state.dropped = []
+    state.made_from = series_files(patches_dir)
     state.save(workspace)
     return list(texts)
