@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import LINES, make_patch, write_series
+from conftest import LINES, REPO, make_patch, write_series
 from vllm_overlay import apply, series
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
@@ -85,3 +88,44 @@ def test_new_file_patch_applies(checkout: Layout, tree: Path) -> None:
     assert apply.classify(tree, patch).fit is apply.Fit.CLEAN
     apply.apply_series(tree, [patch])
     assert (tree / "pkg" / "new.py").read_text() == "hello\n"
+
+
+_HOLD = """\
+import sys
+from pathlib import Path
+from vllm_overlay.build import one_at_a_time
+with one_at_a_time(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _holder(build_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(build_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO.root / "ci")},
+    )
+
+
+def test_one_build_of_a_target_at_a_time(tmp_path: Path) -> None:
+    """A second build of the same target says whom it waits for and waits;
+    another target's build does not wait."""
+    build = tmp_path / "build"
+    first = _holder(build)
+    assert first.stdout.readline() == "held\n"
+    second = _holder(build)
+    assert second.stderr.readline() == (
+        f"  another build is running (pid {first.pid}) in {build}; "
+        "waiting for it to finish\n"
+    )
+    other = _holder(build / "targets" / "vllm-cpu")
+    assert other.stdout.readline() == "held\n"  # not blocked by the first
+    other.communicate("")
+    assert second.poll() is None  # still waiting
+    first.communicate("")
+    out, err = second.communicate("")
+    assert (out, err, second.returncode) == ("held\n", "", 0)

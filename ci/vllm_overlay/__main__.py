@@ -76,9 +76,11 @@ def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
     """What build.sh does up to the build: a fresh tree with the series and
     overlay in it, for looking at or running upstream's tests against."""
-    tree = Path(cmd_prepare_tree(layout, args))
-    apply.apply_series(tree, series.load_series(layout.patches), layout.command)
-    return cmd_copy_overlay(layout, argparse.Namespace(tree=tree))
+    build.check_writable(layout.cache)
+    with build.one_at_a_time(layout.build):
+        tree = Path(cmd_prepare_tree(layout, args))
+        apply.apply_series(tree, series.load_series(layout.patches), layout.command)
+        return cmd_copy_overlay(layout, argparse.Namespace(tree=tree))
 
 
 def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
@@ -182,9 +184,16 @@ def _step(text: str) -> None:
 def cmd_build(layout: Layout, args: argparse.Namespace) -> str:
     """build.sh's steps in one process, each announced as build.sh did: one
     interpreter start instead of ten, and the official wheel hashed once."""
-    ns = argparse.Namespace
     _step("check the checkout (pin, series, overlay)")
     print(cmd_check(layout, args), file=sys.stderr)
+    dist.refuse_symlink(layout.dist.absolute())
+    build.check_writable(layout.cache)
+    with build.one_at_a_time(layout.build):
+        return _build(layout, args)
+
+
+def _build(layout: Layout, args: argparse.Namespace) -> str:
+    ns = argparse.Namespace
     _step("fetch and verify the official wheel")
     official = Path(cmd_fetch_wheel(layout, args))
     _step("lay a fresh upstream tree")
