@@ -336,3 +336,50 @@ def test_patch_leftovers_are_no_work(checkout: Layout) -> None:
     workspace.new_patch(ws, "0002-new.patch")
     workspace.export(ws)
     assert series.load_series(checkout.patches)[-1].targets == ("pkg/new.py",)
+
+
+def test_workspace_git_never_starts_housekeeping(checkout: Layout) -> None:
+    """The workspace repository's own config, read by any git command run
+    in it (the README's `commit --amend` too), turns automatic gc and
+    maintenance off."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    _upstream(checkout, LINES)
+    ws = _workspace(checkout)
+
+    def config(key: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ws), "config", "--local", key],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+
+    assert (config("gc.auto"), config("maintenance.auto")) == ("0", "false")
+
+
+def test_remaking_reuses_the_tree_and_waits_for_git(checkout: Layout) -> None:
+    """`workspace --force` on a workspace of the same release resets it in
+    place (the untouched files keep their inodes: nothing unpacked again)
+    and gives the same workspace; while a git process holds a lock there it
+    refuses, naming the lock, and leaves the workspace as it is."""
+    with_tooling(checkout)
+    _upstream(checkout, {f"f{i}.py": LINES for i in (1, 2, 3, 4)})
+    write_series(checkout, THREE)
+    sh(checkout, "ci/overlay workspace")
+    ws = checkout.workspace
+    head = workspace.git(ws, "rev-parse", "HEAD")
+    untouched = (ws / "pkg" / "f4.py").stat().st_ino  # no patch changes it
+    (ws / "pkg" / "f2.py").write_text("an edit to discard\n")
+    (ws / "pkg" / "stray.py").write_text("stray\n")
+    lock = ws / ".git" / "index.lock"
+    lock.write_text("")
+    refused = sh(checkout, "ci/overlay workspace --force", ok=False)
+    assert refused.returncode == 1
+    assert f"a git process is working in {ws} (it holds {lock})" in refused.stderr
+    assert (ws / "pkg" / "stray.py").exists()
+    lock.unlink()
+    remade = sh(checkout, "ci/overlay workspace --force")
+    assert "reused the upstream/ at" in remade.stderr
+    assert (ws / "pkg" / "f4.py").stat().st_ino == untouched
+    assert not (ws / "pkg" / "stray.py").exists()
+    assert workspace.git(ws, "rev-parse", "HEAD") == head
+    assert workspace.git(ws, "status", "--porcelain") == ""

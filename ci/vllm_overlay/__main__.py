@@ -261,6 +261,14 @@ def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
             f"{layout.workspace}",
         )
     patches = overlay.check_checkout(layout)
+    if locks := workspace.busy(ws):
+        raise OverlayError(
+            f"a git process is working in {ws} (it holds "
+            f"{', '.join(str(p) for p in locks)}); making the workspace again now "
+            "would fail half-way",
+            "wait for it to finish, then run the command again; if no git runs "
+            f"there any more, remove what it left: `rm {' '.join(map(str, locks))}`",
+        )
     if not args.force and (lost := workspace.unsaved_work(ws)):
         raise OverlayError(
             f"{ws} holds work that making it again would discard:\n  "
@@ -268,8 +276,18 @@ def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
             f"save it: {_save_steps(layout, ws, lost)}; or discard it: "
             f"`{layout.command} workspace --force`",
         )
+    pin = load_pin(layout.pin)
+    # The upstream tree the base commit holds: the same one is reused.
+    release = (
+        f"upstream/ at {pin.commit or pin.commit_short}"
+        if source.is_populated_checkout(layout.root / "upstream")
+        else f"sdist sha256 {pin.sdist.sha256}"
+    )
+    if workspace.remake(ws, patches, args.upto, release):
+        print(f"  reused the {release} tree of {ws}", file=sys.stderr)
+        return str(ws)
     _lay_upstream(layout, ws)
-    workspace.make_workspace(ws, patches, args.upto, layout.patches)
+    workspace.make_workspace(ws, patches, args.upto, layout.patches, release)
     return str(ws)
 
 

@@ -128,6 +128,7 @@ class State:
     # still to do, and the finished tree is checked before export.
     rebase: bool = False
     target: str = ""  # whose series it is: hints name ``--target`` for it
+    release: str = ""  # the upstream tree of the base commit (``remake``)
     # sha256 of each file of the series directory as the workspace last
     # read or wrote it (None: made by an older ci/overlay, not checked).
     made_from: dict[str, str] | None = None
@@ -159,23 +160,87 @@ def continue_hint(ws: Path) -> str:
 
 
 def make_workspace(
-    tree: Path, patches: list[Patch], upto: str | None, export_to: Path
+    tree: Path,
+    patches: list[Patch],
+    upto: str | None,
+    export_to: Path,
+    release: str = "",
 ) -> None:
     """Turn the fresh upstream ``tree`` into the workspace repository and
-    apply ``patches`` (up to ``upto``); see ``advance``."""
+    apply ``patches`` (up to ``upto``); see ``advance``. ``release`` names
+    the upstream tree, so that ``remake`` can reuse it."""
+    _check_upto(patches, upto)
+    _start(tree, patches, export_to, release)
+    advance(tree, upto)
+
+
+def _check_upto(patches: list[Patch], upto: str | None) -> None:
     if upto is not None and upto not in [p.name for p in patches]:
         raise OverlayError(
             f"--upto {upto}: not in the series", "name a patch listed in patches/series"
         )
-    _start(tree, patches, export_to)
-    advance(tree, upto)
 
 
-def _start(tree: Path, patches: list[Patch], export_to: Path) -> State:
+def busy(ws: Path) -> list[Path]:
+    """Lock files of a git process working in ``ws`` (or one that died
+    holding them): removing the workspace under it fails half-way."""
+    gitdir = ws / ".git"
+    if not gitdir.is_dir():
+        return []
+    found = [*gitdir.glob("*.lock"), *gitdir.glob("refs/**/*.lock")]
+    found += [
+        p
+        for p in (gitdir / "gc.pid", gitdir / "objects" / "maintenance.lock")
+        if p.exists()
+    ]
+    return sorted(found)
+
+
+def remake(ws: Path, patches: list[Patch], upto: str | None, release: str) -> bool:
+    """Make ``ws`` again in place when it holds the same upstream
+    ``release``: its base commit checked out afresh (git restores only what
+    differs), everything else removed, the series applied again; seconds,
+    where unpacking and committing the release took a minute. False when it
+    cannot be reused (another release, a git operation in progress)."""
+    state = State.load(ws) if (ws / ".git").is_dir() else None
+    if (
+        state is None
+        or not release
+        or state.release != release
+        or state.rebase
+        or any((ws / ".git" / x).exists() for x in _IN_PROGRESS)
+    ):
+        return False
+    _check_upto(patches, upto)
+    base = git(ws, "rev-list", "--max-parents=0", "HEAD").split()
+    if len(base) != 1 or git(ws, "log", "-1", "--format=%B", base[0]) != (
+        BASE_MESSAGE + "\n\n"
+    ):
+        return False
+    git(ws, "checkout", "-q", "-f", "-B", "workspace", base[0])
+    git(ws, "clean", "-q", "-f", "-d", "-x")
+    shutil.rmtree(State.dir(ws))
+    (ws / ".git" / "PENDING_HEADER").unlink(missing_ok=True)
+    _store(ws, patches, Path(state.export_to), release)
+    advance(ws, upto)
+    return True
+
+
+# What git leaves in .git while an operation it started waits for a human.
+_IN_PROGRESS = ("rebase-merge", "rebase-apply", "MERGE_HEAD", "CHERRY_PICK_HEAD")
+
+
+def _start(
+    tree: Path, patches: list[Patch], export_to: Path, release: str = ""
+) -> State:
     """The upstream ``tree`` as the base commit of a new repository, every
     patch pending."""
     init_repo(tree)
     _commit(tree, BASE_MESSAGE + "\n")
+    return _store(tree, patches, export_to, release)
+
+
+def _store(tree: Path, patches: list[Patch], export_to: Path, release: str) -> State:
     # The patches travel with the workspace, so --continue and export need
     # nothing else (a rebase workspace is not the checkout's series).
     store = State.dir(tree) / "patches"
@@ -185,6 +250,7 @@ def _start(tree: Path, patches: list[Patch], export_to: Path) -> State:
     (store / "series").write_text("".join(f"{p.name}\n" for p in patches))
     state = State(str(export_to.absolute()), [p.name for p in patches])
     state.made_from = series_files(export_to)
+    state.release = release
     state.save(tree)
     return state
 
