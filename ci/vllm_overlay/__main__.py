@@ -16,6 +16,7 @@ from pathlib import Path
 from vllm_overlay import (
     adopt,
     apply,
+    backport,
     build,
     dist,
     fetch,
@@ -337,6 +338,17 @@ def cmd_adopt(layout: Layout, args: argparse.Namespace) -> str:
     return adopt.adopt(layout, args.version)
 
 
+def cmd_backport(layout: Layout, args: argparse.Namespace) -> str:
+    if not layout.target:
+        raise OverlayError(
+            "backport carries a change of the main series to another target",
+            "name the target: `ci/overlay --target NAME backport "
+            f"{args.patch}` (targets/NAME/pin.toml)",
+        )
+    main = target_layout(layout.root, "")
+    return backport.backport(main, layout, args.patch, args.rev)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ci/overlay", description=__doc__)
     parser.add_argument("--root", type=Path, help="checkout to work on")
@@ -438,6 +450,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("version", metavar="VERSION")
     p.add_argument("--python", type=Path, help=python_help)
+    p = add(
+        "backport",
+        cmd_backport,
+        "merge the change of a main-series patch into the target's workspace",
+    )
+    p.add_argument("patch", metavar="PATCH", help="its number (0002) or file name")
+    p.add_argument(
+        "--from",
+        dest="rev",
+        default="HEAD",
+        metavar="REV",
+        help="the commit holding the patch's old version (default HEAD)",
+    )
     p = add("lint-upstream", cmd_lint_upstream, "ruff on patched upstream files")
     p.add_argument("tree", type=Path)
     p.add_argument("--python", type=Path, required=True)
