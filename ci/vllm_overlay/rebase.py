@@ -228,23 +228,72 @@ def _commit_short(tree: Path) -> str:
     return match.group(1) if match else ""
 
 
-def rebased_pin(pin: Pin, release: Release, commit_short: str) -> str:
-    """pin.toml's text for ``release``: the same file with the new tag,
-    version, files and sha256; torch needs a human (dry_run says so)."""
+def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]:
+    """pin.toml's text for ``release`` (its unpacked sdist at ``tree``): the
+    same file with the new tag, version, files and sha256, and both torch
+    pins read from the release's own requirement files; with one line per
+    torch pin saying where it came from."""
     assert release.wheel is not None
     text = pin.path.read_text()
     for old, new in (
         (f'tag = "{pin.tag}"', f'tag = "v{release.version}"'),
         (f'version = "{pin.version}"', f'version = "{release.version}"'),
         (f'commit = "{pin.commit}"', 'commit = ""'),
-        (f'commit_short = "{pin.commit_short}"', f'commit_short = "{commit_short}"'),
+        (
+            f'commit_short = "{pin.commit_short}"',
+            f'commit_short = "{_commit_short(tree)}"',
+        ),
         (pin.sdist.filename, release.sdist.filename),
         (pin.sdist.sha256, release.sdist.sha256),
         (pin.wheel.filename, release.wheel.filename),
         (pin.wheel.sha256, release.wheel.sha256),
     ):
         text = text.replace(old, new)
-    return text
+    # The official wheel's torch is its platform's runtime requirement; the
+    # build venv's is what vLLM's setup.py builds the CUDA wheel with.
+    device = "cpu" if pin.wheel_project.endswith("-cpu") else "cuda"
+    sources = {
+        "upstream.wheel": f"requirements/{device}.txt",
+        "build": "requirements/build/cuda.txt",
+    }
+    machine = pin.wheel_tag.split("_", 3)[-1]
+    pins = {
+        table: (_torch_requirement(tree / rel, machine), rel)
+        for table, rel in sources.items()
+    }
+    lines: list[str] = []
+    table = ""
+    for line in text.splitlines():
+        if header := re.match(r"^\[(.+)\]\s*$", line):
+            table = header.group(1)
+        elif table in pins and re.match(r"^torch\s*=", line):
+            while lines and lines[-1].startswith("#"):
+                lines.pop()  # the old release's reasons
+            value, rel = pins[table]
+            lines.append(
+                f"# requirements of vllm {release.version}: {rel} "
+                "(written by rebase-check --write)"
+            )
+            line = f'torch = "{value}"'
+        lines.append(line)
+    notes = [
+        f"[{table}] torch = {value!r}, from {rel} of {release.sdist.filename}"
+        for table, (value, rel) in pins.items()
+    ]
+    return "\n".join(lines) + "\n", notes
+
+
+def _torch_requirement(requirements: Path, machine: str) -> str:
+    """The ``torch==X`` of a requirements file that holds on ``machine``."""
+    for line in requirements.read_text().splitlines():
+        if match := re.match(r"^torch==(\S+?)\s*(?:;(.*))?$", line.strip()):
+            marker = match.group(2) or ""
+            if not marker or f'platform_machine == "{machine}"' in marker:
+                return match.group(1)
+    raise OverlayError(
+        f"{requirements}: no torch==VERSION line for {machine}",
+        f"set both torch pins of the rebased pin.toml by hand from {requirements}",
+    )
 
 
 def _refuse_to_overwrite(version_dir: Path) -> None:
@@ -282,9 +331,10 @@ def write_rebased(
     with tempfile.TemporaryDirectory(dir=version_dir, prefix=".release-") as tmp:
         new_tree = Path(tmp) / "tree"
         extract_sdist(sdist, new_tree)
-        (rebased / "pin.toml").write_text(
-            rebased_pin(pin, release, _commit_short(new_tree))
-        )
+        text, notes = rebased_pin(pin, release, new_tree)
+        (rebased / "pin.toml").write_text(text)
+        for note in notes:
+            print(f"  {rebased / 'pin.toml'}: {note}", file=sys.stderr)
         try:
             workspace.rebase_workspace(
                 ws,
@@ -491,9 +541,9 @@ def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) ->
                 file=sys.stderr,
             )
         print(
-            f"{version}: a human sets pin.toml's [upstream.wheel] torch and "
-            f"[build] torch in {rebased / 'pin.toml'} (read them off that "
-            f"release's wheel METADATA); then adopt it: `{command} adopt {version}`",
+            f"{version}: {rebased / 'pin.toml'} takes both torch pins from the "
+            "release's requirement files (the build checks the wheel's own "
+            f"Requires-Dist); once exported, adopt it: `{command} adopt {version}`",
             file=sys.stderr,
         )
     return 0
