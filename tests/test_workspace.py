@@ -383,3 +383,37 @@ def test_remaking_reuses_the_tree_and_waits_for_git(checkout: Layout) -> None:
     assert not (ws / "pkg" / "stray.py").exists()
     assert workspace.git(ws, "rev-parse", "HEAD") == head
     assert workspace.git(ws, "status", "--porcelain") == ""
+
+
+@pytest.mark.parametrize("edited", [False, True], ids=["as-stopped", "edited"])
+def test_the_skip_hint_works_as_printed_after_a_conflict(
+    checkout: Layout, edited: bool
+) -> None:
+    """The stop's `--skip` hint, pasted, leaves the conflicting patch out
+    (the markers the stop wrote go with it); after a human's edit it
+    refuses, and its own hint, pasted, gets there too."""
+    with_tooling(checkout)
+    _upstream(
+        checkout,
+        {
+            "f1.py": LINES,
+            "f2.py": LINES.replace("line 10\n", "LINE 10\n"),
+            "f3.py": LINES,
+        },
+    )
+    write_series(checkout, THREE)
+    stopped = sh(checkout, "ci/overlay workspace", ok=False)
+    skip = hint_commands(stopped.stderr.split("next:")[1])[0]
+    assert skip.endswith(" --skip")
+    ws = checkout.workspace
+    if edited:
+        (ws / "pkg" / "f1.py").write_text("a human's edit\n")
+        refused = sh(checkout, skip, ok=False)
+        assert "would throw away edits made in" in refused.stderr
+        for command in hint_commands(refused.stderr.split("next:")[1])[:2]:
+            sh(checkout, command)
+    else:
+        sh(checkout, skip)
+    sh(checkout, "ci/overlay export --drop 0002-p2.patch")
+    assert series.read_series(checkout.patches) == ["0001-p1.patch", "0003-p3.patch"]
+    assert "<<<<<<<" not in (ws / "pkg" / "f2.py").read_text()

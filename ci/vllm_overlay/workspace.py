@@ -129,6 +129,7 @@ class State:
     rebase: bool = False
     target: str = ""  # whose series it is: hints name ``--target`` for it
     release: str = ""  # the upstream tree of the base commit (``remake``)
+    stop_tree: str = ""  # git tree of the workspace as the stop left it
     # sha256 of each file of the series directory as the workspace last
     # read or wrote it (None: made by an older ci/overlay, not checked).
     made_from: dict[str, str] | None = None
@@ -429,12 +430,27 @@ def _stop(ws: Path, state: State, patch: Patch, report: apply.FitReport) -> None
             )
         )
         where = f"; conflict markers in {', '.join(marked)}" if marked else ""
+    # What the stop left in the tree: --skip may throw exactly this away.
+    state.stop_tree = _worktree_tree(ws)
+    state.save(ws)
     raise OverlayError(
         f"{patch.name} does not apply to {ws} ({report.fit.value}: "
         f"{report.detail}){where}; {len(state.pending) - 1} later patches wait",
         f"resolve it in {ws} (or leave it out with `{continue_hint(ws)} --skip`), "
         f"then `{continue_hint(ws)}`",
     )
+
+
+def _worktree_tree(ws: Path) -> str:
+    """The git tree of everything in ``ws`` now, through a copy of its index
+    (so only changed files are read again)."""
+    index = State.dir(ws) / "worktree-index"
+    shutil.copyfile(ws / ".git" / "index", index)
+    env = {"GIT_INDEX_FILE": str(index)}
+    git(ws, "add", "-A", env=env)
+    tree = git(ws, "write-tree", env=env).strip()
+    index.unlink()
+    return tree
 
 
 def _diff_check(ws: Path) -> str:
@@ -473,13 +489,17 @@ def continue_workspace(ws: Path, skip: bool) -> None:
     if state.stopped is not None:
         name = state.stopped
         if skip:
-            if dirty:
+            if dirty and _worktree_tree(ws) != state.stop_tree:
                 raise OverlayError(
-                    f"--skip would leave {ws}'s uncommitted edits in another "
-                    f"patch: {_first_lines(dirty)}",
-                    f"`git -C {ws} checkout -- . && git -C {ws} clean -fd` to "
-                    "throw them away, or resolve and run without --skip",
+                    f"--skip would throw away edits made in {ws} since it stopped "
+                    f"at {name}: {_first_lines(dirty)}",
+                    f"`git -C {ws} reset -q --hard && git -C {ws} clean -fdq` to "
+                    f"throw them away, then `{continue_hint(ws)} --skip`; or resolve "
+                    f"and `{continue_hint(ws)}`",
                 )
+            if dirty:  # only what the stop left (conflict markers): gone
+                git(ws, "reset", "-q", "--hard")
+                git(ws, "clean", "-q", "-f", "-d")
             state.dropped.append(name)
             print(f"  left out {name}", file=sys.stderr)
         elif dirty:
@@ -504,8 +524,8 @@ def continue_workspace(ws: Path, skip: bool) -> None:
     elif dirty:
         raise OverlayError(
             f"{ws} has uncommitted edits: {_first_lines(dirty)}",
-            f"commit them (`git -C {ws} commit -a --amend`), then "
-            f"`{continue_hint(ws)}`",
+            f"commit them (`git -C {ws} add -A && git -C {ws} commit -q --amend "
+            f"--no-edit`), then `{continue_hint(ws)}`",
         )
     advance(ws)
 
