@@ -323,7 +323,15 @@ def write_rebased(
     rebased = version_dir / "rebased"
     if ws.exists():  # _refuse_to_overwrite found nothing unsaved in it
         shutil.rmtree(ws)
-    rebased.mkdir(parents=True)
+    (rebased / "patches").mkdir(parents=True)
+    # export keeps a series file's comments: the checkout's go along.
+    (rebased / "patches" / "series").write_text(
+        "".join(
+            line
+            for line in (layout.patches / "series").read_text().splitlines(True)
+            if line.startswith("#")
+        )
+    )
     if layout.overlay.is_dir():
         shutil.copytree(layout.overlay, rebased / "overlay", symlinks=True)
     adopt.record_source(layout, release.version)
@@ -517,7 +525,11 @@ def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) ->
         ws = work / version / "workspace"
         if write:
             stops[version] = write_rebased(layout, release, sdist, patches)
-            next_command[version] = workspace.continue_hint(ws)
+            next_command[version] = (
+                workspace.continue_hint(ws)
+                if stops[version]
+                else f"{command} export --dir {ws}"
+            )
         else:
             next_command[version] = f"{command} rebase-check {version} --write"
     print(matrix(results, [p.name for p in patches], next_command))
