@@ -221,11 +221,10 @@ def test_workspace_refuses_to_discard_work(checkout: Layout) -> None:
     assert (ws / "pkg" / "f1.py").read_text() != "throw me away\n"
 
 
-def test_conflict_then_continue_then_export(checkout: Layout) -> None:
-    """Defect 3: stop at a conflict with markers in the file, resolve,
-    `--continue` applies the rest, export gives the whole series."""
+def _stop_at_p2(checkout: Layout) -> subprocess.CompletedProcess:
+    """`ci/overlay workspace` on THREE where upstream changed the very line
+    0002's hunk changes: it stops there."""
     with_tooling(checkout)
-    # upstream changed the very line 0002's hunk changes
     _upstream(
         checkout,
         {
@@ -235,7 +234,13 @@ def test_conflict_then_continue_then_export(checkout: Layout) -> None:
         },
     )
     write_series(checkout, THREE)
-    stopped = sh(checkout, "ci/overlay workspace", ok=False)
+    return sh(checkout, "ci/overlay workspace", ok=False)
+
+
+def test_conflict_then_continue_then_export(checkout: Layout) -> None:
+    """Defect 3: stop at a conflict with markers in the file, resolve,
+    `--continue` applies the rest, export gives the whole series."""
+    stopped = _stop_at_p2(checkout)
     assert stopped.returncode == 1
     assert "0002-p2.patch does not apply" in stopped.stderr
     assert "conflict markers in pkg/f2.py" in stopped.stderr
@@ -392,17 +397,7 @@ def test_the_skip_hint_works_as_printed_after_a_conflict(
     """The stop's `--skip` hint, pasted, leaves the conflicting patch out
     (the markers the stop wrote go with it); after a human's edit it
     refuses, and its own hint, pasted, gets there too."""
-    with_tooling(checkout)
-    _upstream(
-        checkout,
-        {
-            "f1.py": LINES,
-            "f2.py": LINES.replace("line 10\n", "LINE 10\n"),
-            "f3.py": LINES,
-        },
-    )
-    write_series(checkout, THREE)
-    stopped = sh(checkout, "ci/overlay workspace", ok=False)
+    stopped = _stop_at_p2(checkout)
     skip = hint_commands(stopped.stderr.split("next:")[1])[0]
     assert skip.endswith(" --skip")
     ws = checkout.workspace
