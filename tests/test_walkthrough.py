@@ -1,5 +1,5 @@
-"""The README's maintainer walkthrough, run as written (README, 'Work on
-the series' and 'Rebase onto a new upstream tag'): every line of each
+"""The maintainer guide's walkthrough, run as written (docs/maintainers.md,
+recipes 1 and 3 to 5): every line of each
 ``<!-- walkthrough: NAME -->`` block runs in a copy of this checkout, in
 order, on the real pinned release and the real 0.32.0 sdist (fetched and
 sha256-checked by the tooling, as a maintainer's run would). A ``#`` line is
@@ -38,18 +38,23 @@ Last-Update: 2026-12-01
 """
 
 
-def readme_blocks() -> dict[str, list[str]]:
-    text = (REPO.root / "README.md").read_text()
-    return {name: body.splitlines() for name, body in _BLOCK.findall(text)}
+GUIDE = REPO.root / "docs" / "maintainers.md"
+
+
+def walkthrough_blocks() -> dict[str, list[str]]:
+    blocks = _BLOCK.findall(GUIDE.read_text())
+    names = [name for name, _ in blocks]
+    assert len(set(names)) == len(names), f"{GUIDE}: a walkthrough name twice"
+    return {name: body.splitlines() for name, body in blocks}
 
 
 def run_block(
     layout: Layout, name: str, human: list[Callable[[], None]], editor: Path
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run README block ``name`` line by line in ``layout``; each ``#`` line
+    """Run the guide's block ``name`` line by line in ``layout``; each ``#`` line
     is the next of ``human``. A line whose comment says it stops may fail."""
     results = []
-    for line in readme_blocks()[name]:
+    for line in walkthrough_blocks()[name]:
         if line.startswith("#"):
             human.pop(0)()
             continue
@@ -126,12 +131,14 @@ def _patch_files(layout: Layout) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in layout.patches.iterdir() if p.is_file()}
 
 
-def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
+def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
+    # every block the guide marks is run below, and nothing else
+    assert walkthrough_blocks().keys() == {"add", "refresh", "conflict", "rebase"}
     original = _patch_files(checkout)
     names = series.read_series(checkout.patches)
 
     # Refresh: a stale context line makes 0003 need fuzz. The build's hint
-    # must be the README's refresh block, and running it restores 0003.
+    # must be the guide's refresh block, and running it restores 0003.
     stale = checkout.patches / names[2]
     _edit_line(stale, _hunk_lines(stale, " ")[0], "  # stale context")
     failed = subprocess.run(
@@ -141,7 +148,7 @@ def test_readme_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
     hint = failed.stderr[failed.stderr.index("next:") :]
     printed = re.findall(r"`(ci/overlay [^`]+)`", hint)
     assert printed == [
-        line.split("  #")[0].strip() for line in readme_blocks()["refresh"]
+        line.split("  #")[0].strip() for line in walkthrough_blocks()["refresh"]
     ]
     run_block(checkout, "refresh", [], editor)
     assert _patch_files(checkout) == original

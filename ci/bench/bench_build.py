@@ -259,7 +259,7 @@ def _markdown(result: dict, args: argparse.Namespace) -> str:
         "own cache and the machine's local torch files are not emptied, so "
         "the build venv's torch came from local disk. A cold run also unpacks "
         "the sdist into `.cache/pristine/`, which warm runs lay `build/tree` "
-        'from (README, "Where the upstream source comes from").',
+        'from (docs/build.md, "The cache").',
         "",
     ]
     return "\n".join(lines)

@@ -246,6 +246,11 @@ def write_report(res: dict[str, Any], out: Path) -> None:
     """``out``/hit_lookup.json and ``out``/hit_lookup.md."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "hit_lookup.json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, out)
+
+
+def write_markdown(res: dict[str, Any], out: Path) -> None:
+    """``out``/hit_lookup.md from the report alone (``run_all.py --render-only``)."""
     title = "# Hit look-up benchmark" + (" (quick smoke run)" if res["quick"] else "")
     machine = f"Run {res['started']} UTC, {res['wall_s']:.0f} s, {res['machine']}."
     trees = ", ".join(f"{k} `{v}`" for k, v in res["trees"].items())

@@ -483,7 +483,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
     )
     lines += [
         "",
-        "Issue 15's first rule, dup_first against the series: fewer blocks "
+        "The ship rule of 0006, dup_first against the series: fewer blocks "
         "computed on every trace, or equal on some and fewer on the others "
         "(median; and the seeds on which dup_first computes more):",
         "",
@@ -518,6 +518,11 @@ def run(
 
 def write_report(res: dict[str, Any], out: Path) -> None:
     (out / "dup_first.json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, out)
+
+
+def write_markdown(res: dict[str, Any], out: Path) -> None:
+    """``out``/dup_first.md from the report alone (``run_all.py --render-only``)."""
     (out / "dup_first.md").write_text("\n".join(report_lines(res)))
 
 

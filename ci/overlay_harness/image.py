@@ -186,7 +186,7 @@ def standin_as(layout: Layout, base: str) -> Iterator[str]:
 
 
 def build_image(layout: Layout, tag: str) -> None:
-    """``podman build`` of the project's Containerfile as the README gives it."""
+    """``podman build`` of the project's Containerfile as docs/build.md gives it."""
     args = shlex.split(
         subprocess.run(
             [str(layout.root / "ci/overlay"), "--root", str(layout.root), "image-args"],

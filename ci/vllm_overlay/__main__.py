@@ -226,8 +226,8 @@ def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
         raise OverlayError(
             "\n".join(problems),
             f"fill in the DEP-3 headers; fix diffs in `{layout.command} "
-            f"workspace`, then `{layout.command} export` (README, 'Work on the "
-            "series')",
+            f"workspace`, then `{layout.command} export` (docs/maintainers.md, "
+            "recipe 2)",
         )
     return "series ok"
 

@@ -114,7 +114,7 @@ def apply_patch(tree: Path, patch: Patch, command: str = "ci/overlay") -> None:
             # printed refreshes this patch and keeps every later one.
             f"refresh it: `{command} workspace` (applies the series with "
             f"quilt's tolerance, stops at a conflict), then `{command} export` "
-            "(README, 'Refresh a patch')",
+            "(docs/maintainers.md, recipe 3)",
         )
     result = _patch(tree, patch.path, "--fuzz=0", "--quiet")
     if result.returncode != 0:  # dry-run passed, so this is the machine's fault

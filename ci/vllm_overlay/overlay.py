@@ -35,7 +35,7 @@ def copy_overlay(overlay_dir: Path, tree: Path) -> list[str]:
             f"{collisions[0]}"
             + (f" (and {len(collisions) - 1} more)" if len(collisions) > 1 else ""),
             "overlay/ only adds files: express the change as a patch "
-            "(`ci/overlay new NAME`, README 'Add a patch') and remove it from "
+            "(`ci/overlay new NAME`, docs/maintainers.md, recipe 1) and remove it from "
             "overlay/",
         )
     for rel in files:

@@ -91,7 +91,7 @@ class Layout:
 
     @property
     def workspace(self) -> Path:
-        """The maintainer's git workspace (README, 'Refresh a patch')."""
+        """The maintainer's git workspace (docs/maintainers.md)."""
         return self.build / "workspace"
 
     @property

@@ -306,7 +306,7 @@ def _refuse_to_overwrite(version_dir: Path) -> None:
         what = [str(rebased)] if rebased.exists() else []
         raise OverlayError(
             f"--write would replace earlier work: {', '.join(what + lost)}",
-            f"finish it (README, 'Rebase onto a new upstream tag') or move it "
+            f"finish it (docs/maintainers.md, recipe 5) or move it "
             f"away: `mv {version_dir} {version_dir}.old`",
         )
 

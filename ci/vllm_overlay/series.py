@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
 
-# DEP-3 fields every patch of this project must fill (README, "Patches").
+# DEP-3 fields every patch of this project must fill (docs/maintainers.md).
 REQUIRED_FIELDS = ("Description", "Forwarded", "Last-Update")
 ONE_OF_FIELDS = ("Author", "Origin")
 _FIELD = re.compile(r"^([A-Za-z][A-Za-z0-9-]*):\s?(.*)$")

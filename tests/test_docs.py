@@ -1,0 +1,210 @@
+"""The docs' figures and commands against their sources, compared as
+numbers and values, never as wrapped text.
+
+Generated Markdown (docs/benchmarks/) must be what the benchmark command
+renders from the committed JSON reports: a report changed without
+re-rendering fails. Hand-written docs are searched as one text with their
+whitespace collapsed, so a figure they quote is found and checked wherever
+it sits: rewrapping, reordering or moving prose between guides fails
+nothing, a stale figure does."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+from overlay_harness import seed_scenario
+
+ROOT = REPO.root
+BENCH_DOCS = ROOT / "docs" / "benchmarks"
+RENDERED = ("README.md", "dup_first.md", "hit_lookup.md")
+# Written by a command, so checked against their sources elsewhere or
+# rendered; the CHANGELOG records what runs showed at the time.
+NOT_HAND_WRITTEN = {
+    "CHANGELOG.md",
+    "docs/mutation.md",
+    "docs/upstream-not-run-on-cpu.md",
+}
+
+
+def hand_written() -> dict[str, str]:
+    docs = [ROOT / "README.md", ROOT / "SECURITY.md", *(ROOT / "docs").rglob("*.md")]
+    return {
+        rel: p.read_text()
+        for p in docs
+        if (rel := p.relative_to(ROOT).as_posix()) not in NOT_HAND_WRITTEN
+        and not rel.startswith("docs/benchmarks/")
+    }
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def quoted(pattern: str) -> re.Match[str]:
+    """The one place in the hand-written docs that states ``pattern`` (a
+    regex over whitespace-collapsed text): a figure stated twice fails."""
+    found = [
+        (rel, m)
+        for rel, text in hand_written().items()
+        for m in re.finditer(pattern, flat(text))
+    ]
+    assert len(found) == 1, (
+        f"{pattern!r} stated {len(found)} times: {[r for r, _ in found]}"
+    )
+    return found[0][1]
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def test_generated_benchmark_docs_are_the_reports_rendered(tmp_path: Path) -> None:
+    for report in BENCH_DOCS.glob("*.json"):
+        shutil.copy(report, tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            ROOT / "ci" / "bench" / "run_all.py",
+            "--render-only",
+            "--out",
+            tmp_path,
+        ],
+        check=True,
+    )
+    stale = {}
+    for name in RENDERED:
+        committed = (BENCH_DOCS / name).read_text().splitlines()
+        rendered = (tmp_path / name).read_text().splitlines()
+        if committed != rendered:
+            diff = difflib.unified_diff(
+                committed, rendered, "committed", "rendered", n=0, lineterm=""
+            )
+            stale[name] = "\n".join(list(diff)[:12])
+    assert not stale, (
+        "docs/benchmarks/ disagrees with its JSON reports; re-render with "
+        "`python3 ci/bench/run_all.py --render-only --out docs/benchmarks`:\n"
+        + "\n".join(f"{name}:\n{d}" for name, d in stale.items())
+    )
+
+
+def test_seed_scenario_table_is_the_harness_table() -> None:
+    quoted(r"\| build \| `copy_semantics` \| stored before pressure \|")
+    rows = {}
+    for text in hand_written().values():
+        lines = text.splitlines()
+        starts = [i for i, ln in enumerate(lines) if "| stored before pressure |" in ln]
+        for i in starts:
+            for ln in lines[i + 2 :]:
+                if not ln.startswith("|"):
+                    break
+                build, policy, *counts = (
+                    c.strip().strip("`") for c in ln.strip("|").split("|")
+                )
+                key = policy if build == "overlay" else build
+                rows[key] = tuple(int(c) for c in counts)
+    expected = {**seed_scenario.EXPECTED, "official": seed_scenario.EXPECTED_UNPATCHED}
+    assert rows == expected
+
+
+def test_seed_scenario_figures_are_stated_only_in_the_table() -> None:
+    """ "1/0/1/0"-style figures are the table's; prose links to it."""
+    every = {**hand_written(), "CHANGELOG.md": (ROOT / "CHANGELOG.md").read_text()}
+    slashed = {
+        rel: m
+        for rel, text in every.items()
+        if (m := re.findall(r"\b\d/\d/\d/\d\b", text))
+    }
+    assert not slashed, f"seed figures outside the table: {slashed}"
+
+
+def test_upstream_counts_are_the_baselines() -> None:
+    counts = json.loads((ROOT / "ci" / "upstream-baseline.json").read_text())["meta"][
+        "counts"
+    ]
+    m = quoted(r"Of the ([\d,]+) selected upstream tests, ([\d,]+) pass on the CPU")
+    assert (number(m[1]), number(m[2])) == (sum(counts.values()), counts["passed"])
+    recorded = (ROOT / "ci" / "overlay-tests.txt").read_text().splitlines()
+    m = quoted(r"`ci/overlay-tests.txt` holds ([\d,]+) node ids")
+    assert number(m[1]) == sum("::" in ln for ln in recorded)
+
+
+def test_deploy_line_is_a_valid_config_of_the_built_engine() -> None:
+    """The README's run line: its --kv-events-config is accepted by the
+    wheel's real KVEventsConfig, names both endpoints and the default
+    policy, and runs the image the build line tags."""
+    from vllm.config.kv_events import KVEventsConfig as kv_events_config
+
+    readme = (ROOT / "README.md").read_text()
+    config = json.loads(re.search(r"--kv-events-config '([^']+)'", readme)[1])
+    parsed = kv_events_config(**config)
+    assert {"endpoint", "replay_endpoint", "copy_semantics"} <= config.keys()
+    assert parsed.copy_semantics == seed_scenario.DEFAULT_POLICY
+    assert parsed.copy_semantics == kv_events_config().copy_semantics
+    built = re.search(r"podman build .* -t (\S+) \.", readme)[1]
+    run = re.search(r"podman run (?:[^\n]*\\\n)*[^\n]*", readme)[0]
+    assert built in run.replace("\\\n", " ").split()
+    default_row = quoted(r"\| `(\w+)` \(\*\*default\*\*\) \|")
+    assert default_row[1] == kv_events_config().copy_semantics
+    m = quoted(r"keeps the last `buffer_steps` batches \(default ([\d,]+)\)")
+    assert number(m[1]) == kv_events_config().buffer_steps
+
+
+def test_readme_names_the_ci_command() -> None:
+    """.ci/run's command is one of the README's two commands."""
+    run = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"^exec (\./\S+)", run, re.M)[1]
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(rf"^{re.escape(command)}\s", readme, re.M)
+    assert re.search(r"^\./build\.sh\s", readme, re.M)
+
+
+def _anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_docs_resolve() -> None:
+    docs = {**hand_written(), "CHANGELOG.md": (ROOT / "CHANGELOG.md").read_text()}
+    broken = []
+    for rel, text in docs.items():
+        here = (ROOT / rel).parent
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (here / path).resolve() if path else ROOT / rel
+            if not file.exists():
+                broken.append(f"{rel}: {target}")
+            elif anchor and file.suffix == ".md":
+                titles = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                if anchor not in {_anchor(t) for t in titles}:
+                    broken.append(f"{rel}: {target}")
+    assert not broken, f"links to nothing: {broken}"
+
+
+def test_build_line_never_imports_the_harness() -> None:
+    """docs/architecture.md's layering rule."""
+    offending = []
+    for module in (ROOT / "ci" / "vllm_overlay").glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offending += [
+                f"{module.name}: {n}"
+                for n in names
+                if n.split(".")[0] in {"overlay_harness", "bench", "run_all"}
+            ]
+    assert not offending
