@@ -9,6 +9,7 @@ import pytest
 
 from conftest import LINES, REPO, make_patch, write_series
 from vllm_overlay import apply, series
+from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
 
@@ -129,3 +130,31 @@ def test_one_build_of_a_target_at_a_time(tmp_path: Path) -> None:
     first.communicate("")
     out, err = second.communicate("")
     assert (out, err, second.returncode) == ("held\n", "", 0)
+
+
+@pytest.mark.parametrize("what", ["symlinked dist", "read-only cache"])
+def test_build_refuses_before_any_work(
+    checkout: Layout, tmp_path: Path, what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A symlinked dist/ (publish would replace the link) and a read-only
+    .cache/ are one error line with a next step, before anything is laid or
+    downloaded."""
+    lock = unlock = ["true"]
+    if what == "symlinked dist":
+        (tmp_path / "elsewhere").mkdir()
+        checkout.dist.symlink_to(tmp_path / "elsewhere")
+        expected = f"error: cannot publish: {checkout.dist} is a symlink"
+    else:
+        checkout.cache.mkdir()
+        flag = ["chattr", "+i"] if os.geteuid() == 0 else ["chmod", "555"]
+        lock = [*flag, str(checkout.cache)]
+        unlock = [flag[0], "-i" if flag[0] == "chattr" else "755", str(checkout.cache)]
+        expected = f"error: {checkout.cache} is not writable"
+    subprocess.run(lock, check=True)
+    try:
+        assert main(["--root", str(checkout.root), "build"]) == 1
+    finally:
+        subprocess.run(unlock, check=True)
+    err = capsys.readouterr().err
+    assert expected in err and "next:" in err and "Traceback" not in err
+    assert not checkout.partial_tree.exists() and not checkout.downloads.exists()
