@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by build.sh and ci/test.sh: check what they need before any step
 # starts, naming the command that installs what is missing.
 #   prerequisites GIB TOOL...   free GiB on the checkout's disk, then tools

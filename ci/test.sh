@@ -10,9 +10,10 @@ targets=()
 for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); done
 
 # Everything the run needs, before 10 minutes of build and tests: quilt runs
-# in the tests (the series must be quilt's), build.sh checks the rest again.
+# in the tests (the series must be quilt's), shellcheck in the lint step;
+# build.sh checks the rest again.
 . ci/prerequisites.sh
-prerequisites 10 quilt patch git
+prerequisites 10 quilt patch git shellcheck
 
 step "build"
 ./build.sh
@@ -23,10 +24,12 @@ done
 wheel=$(ls dist/vllm-*.whl)
 step "test environment with $(basename "$wheel")"
 python=$(PYTHONPATH=ci python3 -m overlay_harness.testenv "$wheel")
-step "lint: series, DEP-3 headers, ruff"
+step "lint: series, DEP-3 headers, ruff, mypy, shellcheck"
 ci/overlay lint
 "$python" -m ruff check ci tests
 "$python" -m ruff format --check ci tests
+"$python" -m mypy
+shellcheck -x build.sh ci/*.sh ci/overlay ci/bench/*.sh .ci/run
 ci/overlay lint-upstream build/tree --python "$python"
 for t in "${targets[@]}"; do
   ci/overlay --target "$t" lint

@@ -63,7 +63,7 @@ def built_wheel(layout: Layout = REPO) -> Path:
 PATCH_HEADER = """\
 Description: test patch
 Author: Test <test@example.invalid>
-Forwarded: not-needed, test fixture
+Forwarded: not-needed
 Last-Update: 2026-12-01
 ---
 """

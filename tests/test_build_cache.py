@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_patch, write_series
-from vllm_overlay import apply, manifest, overlay, pristine, series, source
+from vllm_overlay import apply, manifest, notice, overlay, pristine, series, source
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import Pin, PinnedFile, load_pin
@@ -227,9 +227,9 @@ def test_workspace_and_pristine_trees_share_nothing_with_the_cache(
 
 
 def test_the_build_steps_leave_the_cache_intact(checkout: Layout, pin: Pin) -> None:
-    """Every writer of the build (the series, overlay/, the manifest) adds or
-    replaces files: afterwards the cache still passes its check, so nothing
-    wrote into or unlinked a cached file."""
+    """Every writer of the build (the series, overlay/, the manifest and the
+    notice) adds or replaces files: afterwards the cache still passes its
+    check, so nothing wrote into or unlinked a cached file."""
     write_series(
         checkout,
         {
@@ -246,6 +246,7 @@ def test_the_build_steps_leave_the_cache_intact(checkout: Layout, pin: Pin) -> N
     apply.apply_series(tree, patches)
     overlay.copy_overlay(checkout.overlay, tree)
     manifest.write_manifest(_finish(checkout), {"build_mode": "assemble"})
+    notice.write_notice(checkout.tree, "notice\n")
     cached = _cached(checkout, pin)
     assert pristine.intact_entries(cached.parent, pin.sdist.sha256) is not None
     assert _contents(cached) == FILES

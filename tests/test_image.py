@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, built_wheel
 from overlay_harness import extensions, image
-from vllm_overlay import manifest
+from vllm_overlay import manifest, notice
 
 pytestmark = pytest.mark.real_release
 TAG = "localhost/vllm-overlay-test:latest"
@@ -73,6 +73,30 @@ def test_image_holds_every_compiled_extension_of_the_wheel(
             f"{hashlib.sha256(archive.read(n)).hexdigest()} {n}" for n in members
         }
     assert set(listing.splitlines()) == expected
+
+
+def test_image_carries_the_licences(built: str, wheel: Path) -> None:
+    """The project's LICENSE, and through the link to the installed wheel's
+    licenses/ folder, vLLM's LICENSE and the notice of changed files."""
+    doc = "/usr/share/doc/vllm-overlay"
+    names = ["LICENSE", "vllm/LICENSE", f"vllm/{notice.NAME}"]
+    out = _run(
+        "-c",
+        "import json, pathlib, sys\n"
+        "print(json.dumps({n: (pathlib.Path(sys.argv[1]) / n).read_text()"
+        " for n in sys.argv[2:]}))",
+        doc,
+        *names,
+    )
+    with zipfile.ZipFile(wheel) as archive:
+        (info,) = {n.split("/")[0] for n in archive.namelist() if ".dist-info/" in n}
+        licence = archive.read(f"{info}/licenses/LICENSE").decode()
+        text = archive.read(f"{info}/licenses/{notice.NAME}").decode()
+    assert json.loads(out) == {
+        "LICENSE": (REPO.root / "LICENSE").read_text(),
+        "vllm/LICENSE": licence,
+        f"vllm/{notice.NAME}": text,
+    }
 
 
 def _steps(ref: str) -> list[str]:

@@ -32,7 +32,12 @@ def _path_without(tmp_path: Path, tool: str) -> str:
 
 @pytest.mark.parametrize(
     ("script", "tool"),
-    [("ci/test.sh", "quilt"), ("ci/test.sh", "patch"), ("build.sh", "patch")],
+    [
+        ("ci/test.sh", "quilt"),
+        ("ci/test.sh", "patch"),
+        ("ci/test.sh", "shellcheck"),
+        ("build.sh", "patch"),
+    ],
 )
 def test_missing_tool_fails_first_naming_the_install(
     tmp_path: Path, script: str, tool: str

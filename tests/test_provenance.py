@@ -124,6 +124,7 @@ def test_containerfile_installs_as_the_tests_do() -> None:
         in text
     )
     assert "RUN --mount=type=bind,source=dist,target=/mnt/dist" in text
+    assert "--mount=type=bind,source=LICENSE,target=/mnt/LICENSE" in text
     assert "COPY" not in text and "ADD" not in text
     assert "python3 -m vllm._overlay_manifest" in text
 
@@ -141,6 +142,10 @@ def test_containerfile_checks_every_compiled_extension() -> None:
     assert "vllm._C" not in text.replace("vllm._overlay_manifest", "")
 
 
-def test_build_context_is_the_wheel_alone() -> None:
+def test_build_context_is_the_wheel_and_the_licence() -> None:
     ignore = (REPO.root / ".containerignore").read_text().splitlines()
-    assert [r for r in ignore if r and not r.startswith("#")] == ["*", "!dist/*.whl"]
+    assert [r for r in ignore if r and not r.startswith("#")] == [
+        "*",
+        "!dist/*.whl",
+        "!LICENSE",
+    ]

@@ -15,13 +15,23 @@ import re
 import shutil
 import signal
 import subprocess
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, built_wheel
-from vllm_overlay import apply, fetch, overlay, series, source, wheelcheck, workspace
+from vllm_overlay import (
+    apply,
+    fetch,
+    notice,
+    overlay,
+    series,
+    source,
+    wheelcheck,
+    workspace,
+)
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout, target_layout
 from vllm_overlay.pin import Pin, load_pin
@@ -160,6 +170,56 @@ def test_built_wheel_carries_every_patched_module(
                 assert ours.read(member) != off.read(member), member
 
 
+def test_built_wheel_carries_the_licence_and_the_notice(
+    target: tuple[Layout, Pin],
+) -> None:
+    """Apache-2.0 section 4: vLLM's LICENSE as the official wheel has it
+    (also the project's own LICENSE, byte for byte), and the notice naming
+    each file the build changed, both named by License-File fields."""
+    layout = target[0]
+    with (
+        zipfile.ZipFile(_built_wheel(target)) as ours,
+        zipfile.ZipFile(_official(target)) as off,
+    ):
+        (info,) = {n.split("/")[0] for n in ours.namelist() if ".dist-info/" in n}
+        (official_info,) = {
+            n.split("/")[0] for n in off.namelist() if ".dist-info/" in n
+        }
+        licence = ours.read(f"{info}/licenses/LICENSE")
+        assert licence == off.read(f"{official_info}/licenses/LICENSE")
+        assert licence == (REPO.root / "LICENSE").read_bytes()
+        text = ours.read(f"{info}/{wheelcheck.NOTICE_MEMBER}").decode()
+        fields = [
+            line
+            for line in ours.read(f"{info}/METADATA").decode().splitlines()
+            if line.startswith("License-File: ")
+        ]
+    assert fields == ["License-File: LICENSE", f"License-File: {notice.NAME}"]
+    assert sorted(notice.listed_files(text)) == sorted(overlay.touched_files(layout))
+    for patch in series.load_series(layout.patches):
+        for changed in patch.targets:
+            (entry,) = [
+                ln for ln in text.splitlines() if ln.startswith(f"  {changed}: ")
+            ]
+            assert patch.name in entry
+
+
+def test_python_only_route_declares_the_notice(tmp_path: Path) -> None:
+    """vLLM's setup.py routes ship the notice from the tree's license-files
+    (setuptools then writes the same License-File field and licenses/ member
+    as the assemble route); the real pyproject.toml takes the entry once."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.copy(REPO.tree / "pyproject.toml", tree / "pyproject.toml")
+    before = (tree / "pyproject.toml").read_text()
+    assert tomllib.loads(before)["project"]["license-files"] == ["LICENSE"]
+    notice.declare_in_pyproject(tree)
+    notice.declare_in_pyproject(tree)
+    after = (tree / "pyproject.toml").read_text()
+    assert tomllib.loads(after)["project"]["license-files"] == ["LICENSE", notice.NAME]
+    assert len(after.splitlines()) == len(before.splitlines())
+
+
 def _rewrite(src: Path, dest: Path, edit) -> Path:
     """Copy a wheel, letting ``edit(name, data)`` change or drop members."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w") as zout:
@@ -197,8 +257,12 @@ def _rewrite(src: Path, dest: Path, edit) -> Path:
             lambda n, d: d + b"#" if n == "vllm/v1/core/block_pool.py" else d,
             "patched member is not the patched tree's file: vllm/v1/core/block_pool.py",
         ),
+        (
+            lambda n, d: None if n.endswith(wheelcheck.NOTICE_MEMBER) else d,
+            "no notice of the changed files",
+        ),
     ],
-    ids=["changed", "missing", "requirement", "tag", "patched-not-from-tree"],
+    ids=["changed", "missing", "requirement", "tag", "patched-not-from-tree", "notice"],
 )
 def test_wheel_check_catches(
     target: tuple[Layout, Pin], tmp_path: Path, edit, problem: str

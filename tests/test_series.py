@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LINES, PATCH_HEADER, REPO, make_patch, write_series
+from conftest import LINES, REPO, make_patch, write_series
 from vllm_overlay import series
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
@@ -67,34 +67,6 @@ def test_dep3_header_fields() -> None:
         "Forwarded": "not-needed",
         "Last-Update": "2026-12-01",
     }
-
-
-@pytest.mark.parametrize(
-    ("header", "problem"),
-    [
-        (
-            PATCH_HEADER.replace("Forwarded: not-needed, test fixture\n", ""),
-            "'Forwarded' is missing",
-        ),
-        (
-            PATCH_HEADER.replace("Author: Test <test@example.invalid>\n", ""),
-            "'Author' or an 'Origin'",
-        ),
-        (PATCH_HEADER.replace("2026-12-01", "yesterday"), "not YYYY-MM-DD"),
-        (
-            PATCH_HEADER.replace("test patch", "<what the patch changes>"),
-            "template text",
-        ),
-    ],
-)
-def test_lint_finds_header_problems(
-    checkout: Layout, header: str, problem: str
-) -> None:
-    write_series(
-        checkout, {"0001-a.patch": make_patch(LINES, LINES + "x\n", header=header)}
-    )
-    (patch,) = series.load_series(checkout.patches)
-    assert any(problem in p for p in series.header_problems(patch))
 
 
 def test_good_header_has_no_problems(checkout: Layout) -> None:

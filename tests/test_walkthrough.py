@@ -29,7 +29,7 @@ _BLOCK = re.compile(r"<!-- walkthrough: (\w+) -->\n```sh\n(.*?)```", re.S)
 FILLED_HEADER = """\
 Description: note which overlay built this tree
 Author: Maintainer <maintainer@example.invalid>
-Forwarded: not-needed, the walkthrough's own example
+Forwarded: not-needed
 Last-Update: 2026-12-01
 ---
 """

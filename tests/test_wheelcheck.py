@@ -27,6 +27,7 @@ PIN = overlay.labelled_pin(REPO)  # the version the build gives the wheel
 INFO = f"vllm-{PIN.overlay_version}.dist-info/"
 
 RECORD = INFO + "RECORD"
+NOTICE = INFO + wheelcheck.NOTICE_MEMBER
 # change(data) -> the member's new bytes, or None to drop it
 Change = Callable[[bytes], bytes | None]
 
@@ -97,6 +98,14 @@ def _drop_row(record: bytes, member: str) -> bytes:
     return b"".join(
         ln for ln in record.splitlines(True) if not ln.startswith(f"{member},".encode())
     )
+
+
+def _drop_line(line: bytes) -> Change:
+    def change(data: bytes) -> bytes:
+        assert line in data.splitlines(keepends=True), line
+        return data.replace(line, b"", 1)
+
+    return change
 
 
 def _set_header(field: bytes, value: bytes) -> Change:
@@ -200,6 +209,59 @@ CASES: list[tuple[str, str, Change, dict[str, bytes], bool, str]] = [
         {},
         True,
         "METADATA: body differs from the official one",
+    ),
+    # Apache-2.0 section 4: vLLM's licence, and the notice of changed files
+    (
+        "vllm-licence-dropped",
+        INFO + "licenses/LICENSE",
+        lambda d: None,
+        {},
+        True,
+        f"vLLM's licence file {INFO}licenses/LICENSE is missing",
+    ),
+    (
+        "notice-dropped",
+        NOTICE,
+        lambda d: None,
+        {},
+        True,
+        f"no notice of the changed files: {NOTICE}",
+    ),
+    (
+        "notice-omits-a-changed-file",
+        NOTICE,
+        lambda d: b"".join(
+            ln
+            for ln in d.splitlines(keepends=True)
+            if not ln.startswith(b"  vllm/v1/core/block_pool.py: ")
+        ),
+        {},
+        True,
+        "does not name vllm/v1/core/block_pool.py, which the build changed",
+    ),
+    (
+        "notice-names-an-unchanged-file",
+        NOTICE,
+        lambda d: d + b"  vllm/envs.py: changed by 0001-x.patch\n",
+        {},
+        True,
+        "names vllm/envs.py, which the build did not change",
+    ),
+    (
+        "notice-not-the-trees",
+        NOTICE,
+        lambda d: d.replace(b"Apache License", b"MIT License"),
+        {},
+        True,
+        f"{wheelcheck.NOTICE_MEMBER} is not the patched tree's",
+    ),
+    (
+        "notice-not-a-license-file",
+        INFO + "METADATA",
+        _drop_line(b"License-File: NOTICE.vllm-overlay\n"),
+        {},
+        True,
+        "METADATA names NOTICE.vllm-overlay as a License-File 0 times, not once",
     ),
 ]
 

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_overlay.fetch import fetch  # noqa: E402
@@ -222,7 +223,7 @@ def main() -> int:
     return 0
 
 
-def _markdown(result: dict, args: argparse.Namespace) -> str:
+def _markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     warm, cold, sizes = result["warm"], result["cold"], result["sizes"]
     python_only = warm["python-only"]["median_s"]
     lines = [

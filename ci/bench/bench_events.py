@@ -34,12 +34,14 @@ import benchlib as bl
 # --------------------------------------------------------------------------
 
 
-def measure(wl: bl.PoolWorkload, requests: list[Any], policy: str | None) -> dict:
+def measure(
+    wl: bl.PoolWorkload, requests: list[Any], policy: str | None
+) -> dict[str, Any]:
     from vllm.distributed.kv_events import KVEventBatch
 
     pool = bl.make_pool(wl.num_blocks, events=True, policy=policy)
     tap = bl.EventTap()
-    state = {"prev": set(), "min_stores": 0, "min_removals": 0}
+    state: dict[str, Any] = {"prev": set(), "min_stores": 0, "min_removals": 0}
 
     def on_op() -> None:
         now = bl.resident_keys(pool)

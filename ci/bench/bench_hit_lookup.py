@@ -125,7 +125,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for case in runs["patched"][0]["times"]:
         n, state = case.split("/")
-        stats = {}
+        stats: dict[str, dict[str, Any]] = {}
         for tree, reps in runs.items():
             xs = [rep["times"][case] for rep in reps]
             h = len(xs) // 2

@@ -30,11 +30,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overlay_harness import upstream_tests as ut  # noqa: E402
 
 BLOCK_POOL = "vllm/v1/core/block_pool.py"
+OFFLOADING_SCHEDULER = (
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,35 @@ MUTANTS: tuple[Mutant, ...] = (
         "                surplus.append(previous)\n",
         "                pass\n",
     ),
+    Mutant(
+        "copy-left-alone-stays-first",
+        "a key that loses its copy in use or in LRU place without it being "
+        "freed keeps its other copies at the front of the free queue, so the "
+        "next allocation evicts its only copy",
+        BLOCK_POOL,
+        "        if self._unplaced_keys:\n            self._restore_lru_copies()\n",
+        "",
+    ),
+    Mutant(
+        "watched-copy-sent-first",
+        "a free copy that a reuse watcher still reads (HiSparse's unpinned "
+        "page) goes to the front of the free queue like any surplus copy",
+        BLOCK_POOL,
+        "            or block.block_id in self._reuse_watchers\n",
+        "",
+    ),
+    Mutant(
+        "reset-publishes-its-promotions-after",
+        "the stores of promotions that a connector reset finishes are "
+        "published after the reset's removals",
+        OFFLOADING_SCHEDULER,
+        "        self.manager.reset_cache()\n"
+        "        # The reset finishes the secondary tiers' jobs before it clears the\n"
+        "        # primary tier, so a promotion stores its chunks there on the way:\n"
+        "        # count those stores too, so the removals below cover them.\n"
+        "        self._events_tracker.queue_events(self.manager.take_events())\n",
+        "        self.manager.reset_cache()\n",
+    ),
 )
 
 
@@ -189,7 +222,7 @@ def run_tests(
     return {k: r.outcome for k, r in ut.parse_junit(junit, test_tree).items()}
 
 
-def render(report: dict) -> str:
+def render(report: dict[str, Any]) -> str:
     lines = [
         "# Mutation suite",
         "",
@@ -239,7 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         "run (minutes, not an hour): shows that a test fails on each mutant, not "
         "every test that does; the unmutated tests' passing is then ci/test.sh's",
     )
+    ap.add_argument(
+        "--mutant",
+        action="append",
+        choices=[m.name for m in MUTANTS],
+        help="run only this mutant (repeatable; every mutant must still apply)",
+    )
     args = ap.parse_args(argv)
+    selected = [m for m in MUTANTS if not args.mutant or m.name in args.mutant]
     started, t0 = dt.datetime.now(dt.UTC), time.monotonic()
     # The event tests first: with --first-killer a mutant's run stops sooner.
     tests = sorted(
@@ -272,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             results = []
             maxfail = ("--maxfail=1",) if args.first_killer else ()
-            for m in MUTANTS:
+            for m in selected:
                 print(f"mutant {m.name}", file=sys.stderr)
                 target = src / m.file
                 target.write_text(texts[m.name])

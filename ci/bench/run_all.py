@@ -147,8 +147,8 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
         "|---|---:|---:|",
     ]
     for tree, ds in det.items():
-        g = bench_block_pool.bl.median([d["get_avg_us"] for d in ds])
-        f = bench_block_pool.bl.median([d["free_avg_us"] for d in ds])
+        g = bl.median([d["get_avg_us"] for d in ds])
+        f = bl.median([d["free_avg_us"] for d in ds])
         out.append(f"| {tree} | {g:.3f} | {f:.3f} |")
     out += [
         "",

@@ -21,6 +21,7 @@ import re
 import subprocess
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from overlay_harness.testenv import WHEEL_INSTALL
 from vllm_overlay.errors import OverlayError
@@ -98,7 +99,9 @@ def libcuda_stub(libraries: list[Path], dest: Path) -> Path:
     return dest
 
 
-def probe(python: Path, modules: list[str], stub: Path, path: Path | None) -> dict:
+def probe(
+    python: Path, modules: list[str], stub: Path, path: Path | None
+) -> dict[str, Any]:
     """Run extension_probe.py; ``path`` puts a vllm package ahead of the
     installed one."""
     env = {**os.environ, "LD_LIBRARY_PATH": str(stub)}
@@ -117,10 +120,11 @@ def probe(python: Path, modules: list[str], stub: Path, path: Path | None) -> di
             f"{PROBE.name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}",
             f"rerun it: LD_LIBRARY_PATH={stub} {python} {PROBE} {' '.join(modules)}",
         )
-    return json.loads(result.stdout)
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
 
 
-def _unresolved(report: dict) -> set[str]:
+def _unresolved(report: dict[str, Any]) -> set[str]:
     """Ops the Python calls in namespaces the compiled modules register, that
     none of them registers."""
     registered = {op for ops in report["ops"].values() for op in ops}
@@ -134,7 +138,9 @@ def _unresolved(report: dict) -> set[str]:
     }
 
 
-def problems(built: dict, official: dict, modules: list[str]) -> list[str]:
+def problems(
+    built: dict[str, Any], official: dict[str, Any], modules: list[str]
+) -> list[str]:
     """What makes the built wheel's compiled side differ from the official."""
     found = [f"vllm.{m} does not import: {e}" for m, e in built["errors"].items()]
     found += [

@@ -217,7 +217,8 @@ class Subscriber:
 
 def block_tokens(ev: Any, i: int, block_size: int = BLOCK_SIZE) -> list[int]:
     """The token ids of the ``i``-th block of a ``BlockStored`` event."""
-    return ev.token_ids[i * block_size : (i + 1) * block_size]
+    tokens: list[int] = ev.token_ids[i * block_size : (i + 1) * block_size]
+    return tokens
 
 
 def find_target(
@@ -239,7 +240,7 @@ def find_target(
     return None
 
 
-def count_target(batches: list[Any], target: Any, kind: type) -> int:
+def count_target(batches: list[Any], target: Any, kind: type[Any]) -> int:
     """How many times events of type ``kind`` name ``target``."""
     return sum(
         ev.block_hashes.count(target)

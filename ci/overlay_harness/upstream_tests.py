@@ -444,7 +444,7 @@ def baseline_entries(results: Mapping[str, TestResult]) -> dict[str, dict[str, s
     entries: dict[str, dict[str, str]] = {}
     for nodeid in sorted(results):
         r = results[nodeid]
-        entry = {"outcome": r.outcome}
+        entry: dict[str, str] = {"outcome": r.outcome}
         if r.outcome != "passed":
             entry["reason"] = classify(r)
         entries[nodeid] = entry

@@ -11,6 +11,7 @@ import json
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from vllm_overlay import (
@@ -21,6 +22,7 @@ from vllm_overlay import (
     dist,
     fetch,
     manifest,
+    notice,
     overlay,
     rebase,
     series,
@@ -112,13 +114,12 @@ def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_stamp(layout: Layout, args: argparse.Namespace) -> str:
-    data = manifest.build_manifest(
-        overlay.labelled_pin(layout),
-        series.load_series(layout.patches),
-        overlay.overlay_files(layout.overlay),
-        args.mode,
-    )
+    pin = overlay.labelled_pin(layout)
+    patches = series.load_series(layout.patches)
+    overlay_files = overlay.overlay_files(layout.overlay)
+    data = manifest.build_manifest(pin, patches, overlay_files, args.mode)
     manifest.write_manifest(args.tree, data)
+    notice.write_notice(args.tree, notice.render(pin, patches, overlay_files))
     return str(args.tree)
 
 
@@ -321,7 +322,9 @@ def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
     ws = (args.dir or layout.workspace).absolute()
     names = workspace.export(ws, args.drop, args.force)
-    return f"exported {len(names)} patches to {workspace.State.load(ws).export_to}"
+    state = workspace.State.load(ws)
+    assert state is not None  # export refuses a workspace without its state
+    return f"exported {len(names)} patches to {state.export_to}"
 
 
 def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
@@ -360,7 +363,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+    def add(
+        name: str, func: Callable[[Layout, argparse.Namespace], str], help: str
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         p.set_defaults(func=func)
         return p
@@ -379,7 +384,9 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "copy-overlay", cmd_copy_overlay, "add overlay/ files to the tree"
     ).add_argument("tree", type=Path)
-    p = add("stamp", cmd_stamp, "write the provenance manifest into the tree")
+    p = add(
+        "stamp", cmd_stamp, "write the provenance manifest and the notice into the tree"
+    )
     p.add_argument("tree", type=Path)
     p.add_argument("--mode", choices=build.MODES, default="assemble")
     add("manifest", cmd_manifest, "print the manifest a tree carries").add_argument(

@@ -6,8 +6,9 @@ this route gets the same member contents without torch, setup.py or
 recompressing anything: every unchanged member's compressed bytes are
 copied as they are, only the files the series, overlay and manifest touch
 are packed from the tree, and the dist-info is the official one with the
-overlay version and tag. A test builds both routes and compares every
-member (tests/test_real_release.py), so a drift in vLLM's build shows up.
+overlay version and tag, plus the notice of the changed files (notice.py)
+beside vLLM's LICENSE. A test builds both routes and compares every member
+(tests/test_real_release.py), so a drift in vLLM's build shows up.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_overlay import notice
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.manifest import MODULE as MANIFEST_MODULE
 from vllm_overlay.pin import Pin
 from vllm_overlay.wheelcheck import VERSION_FILE
 from vllm_overlay.zipmember import LOCAL_HEADER, raw_member
@@ -195,6 +198,12 @@ def assemble_wheel(
 ) -> tuple[Path, str]:
     """Write the overlay wheel of ``tree`` into ``out_dir``; return it and
     its sha256."""
+    for stamped in (MANIFEST_MODULE, notice.NAME):
+        if not (tree / stamped).is_file():
+            raise OverlayError(
+                f"{tree / stamped} is missing: the tree was not stamped",
+                "run ./build.sh again: it stamps the tree before building",
+            )
     old_info = f"{pin.distribution}-{pin.version}.dist-info/"
     new_info = f"{pin.distribution}-{pin.overlay_version}.dist-info/"
     target = out_dir / pin.overlay_wheel_name
@@ -245,11 +254,17 @@ def assemble_wheel(
                 short = info.filename[len(old_info) :]
                 if short == "METADATA":
                     data = _replace_header(data, "Version", pin.overlay_version)
+                    data = add_licence_file(data, notice.NAME)
                 elif short == "WHEEL":
                     data = _replace_header(data, "Tag", pin.wheel_tag)
                 name = new_info + short
                 writer.write(name, data, info.external_attr)
                 records.append([name, _record_hash(data), str(len(data))])
+        # Where setuptools puts a license-files entry (build.py declares it).
+        name = f"{new_info}licenses/{notice.NAME}"
+        data = (tree / notice.NAME).read_bytes()
+        writer.write(name, data, _NEW_FILE_ATTR)
+        records.append([name, _record_hash(data), str(len(data))])
         records.append([f"{new_info}RECORD", "", ""])
         record = io.StringIO()
         csv.writer(record, lineterminator="\n").writerows(records)
@@ -272,3 +287,19 @@ def _replace_header(data: bytes, field: str, value: str) -> bytes:
             f"the official dist-info has no {field} header", "build with --python-only"
         )
     return text.encode()
+
+
+def add_licence_file(metadata: bytes, name: str) -> bytes:
+    """METADATA with ``License-File: name`` after its last License-File
+    field, where setuptools writes a further license-files entry."""
+    head, sep, body = metadata.decode().partition("\n\n")
+    lines = head.split("\n")
+    found = [i for i, line in enumerate(lines) if line.startswith("License-File: ")]
+    if not found:
+        raise OverlayError(
+            "the official METADATA names no License-File",
+            "vLLM stopped shipping its licence in the wheel: add it from the "
+            "sdist before building (Apache-2.0 section 4(a))",
+        )
+    lines.insert(found[-1] + 1, f"License-File: {name}")
+    return ("\n".join(lines) + sep + body).encode()

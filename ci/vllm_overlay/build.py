@@ -24,6 +24,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from vllm_overlay import notice
 from vllm_overlay.assemble import assemble_wheel
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.pin import Pin
@@ -123,6 +124,7 @@ def build_wheel(
     if mode == "from-source":
         _check_cuda_toolkit()
     python = build_env(pin, build_requirements, cache_dir, log_dir)
+    notice.declare_in_pyproject(tree)
     env = dict(
         os.environ,
         VLLM_VERSION_OVERRIDE=pin.overlay_version,

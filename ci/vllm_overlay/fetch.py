@@ -16,6 +16,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.pin import PinnedFile
@@ -87,7 +88,7 @@ def _pip_default_index() -> str:
     return proc.stdout.strip().rstrip("/")
 
 
-def list_files(index_url: str, project: str) -> list[dict]:
+def list_files(index_url: str, project: str) -> list[dict[str, Any]]:
     """The index's file entries for ``project`` (filename, url, hashes)."""
     request = urllib.request.Request(
         f"{index_url}/{project}/", headers={"Accept": _SIMPLE_JSON}

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import sha256_of
@@ -40,7 +41,7 @@ if __name__ == "__main__":
 
 def build_manifest(
     pin: Pin, patches: list[Patch], overlay_files: list[str], mode: str
-) -> dict:
+) -> dict[str, Any]:
     return {
         "version": pin.overlay_version,
         "upstream": {
@@ -59,22 +60,23 @@ def build_manifest(
     }
 
 
-def write_manifest(tree: Path, manifest: dict) -> Path:
+def write_manifest(tree: Path, manifest: dict[str, Any]) -> Path:
     payload = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
     target = tree / MODULE
     target.write_text(_TEMPLATE.format(payload=payload))
     return target
 
 
-def read_manifest(tree: Path) -> dict:
+def read_manifest(tree: Path) -> dict[str, Any]:
     """Run the module the way a user would, from the tree."""
     out = subprocess.run(
         [sys.executable, str(tree / MODULE)], capture_output=True, text=True, check=True
     ).stdout
-    return json.loads(out)
+    manifest: dict[str, Any] = json.loads(out)
+    return manifest
 
 
-def read_wheel_manifest(wheel: Path) -> dict:
+def read_wheel_manifest(wheel: Path) -> dict[str, Any]:
     """The manifest inside a built wheel, read without installing or running
     it: the one payload literal the generated module passes to json.loads."""
     try:
@@ -91,14 +93,16 @@ def read_wheel_manifest(wheel: Path) -> dict:
             and isinstance(node.value, ast.Call)
             and len(node.value.args) == 1
             and isinstance(node.value.args[0], ast.Constant)
+            and isinstance(node.value.args[0].value, str)
         ):
-            return json.loads(node.value.args[0].value)
+            manifest: dict[str, Any] = json.loads(node.value.args[0].value)
+            return manifest
     raise OverlayError(
         f"{wheel}: {MODULE} holds no MANIFEST literal", "run ./build.sh again"
     )
 
 
-def labels(manifest: dict) -> dict[str, str]:
+def labels(manifest: dict[str, Any]) -> dict[str, str]:
     """OCI image labels carrying the same provenance."""
     upstream = manifest["upstream"]
     return {
@@ -117,7 +121,7 @@ def labels(manifest: dict) -> dict[str, str]:
     }
 
 
-def image_args(manifest: dict, wheel_name: str) -> list[str]:
+def image_args(manifest: dict[str, Any], wheel_name: str) -> list[str]:
     """``docker build`` arguments for Containerfile: base, wheel, labels."""
     args = [
         "--build-arg",
@@ -130,5 +134,5 @@ def image_args(manifest: dict, wheel_name: str) -> list[str]:
     return args
 
 
-def base_image(manifest: dict) -> str:
+def base_image(manifest: dict[str, Any]) -> str:
     return f"vllm/vllm-openai:{manifest['upstream']['tag']}"

