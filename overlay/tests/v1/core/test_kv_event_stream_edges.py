@@ -64,6 +64,7 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
     maybe_convert_block_hash,
 )
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -314,16 +315,6 @@ def step(scheduler: Scheduler) -> None:
         request = scheduler.requests[req_id]
         done = request.num_computed_tokens >= request.num_tokens
         sampled.append([SAMPLED_TOKEN_ID] if done else [])
-    connector_output = None
-    meta = output.kv_connector_metadata
-    if isinstance(meta, SimpleCPUOffloadMetadata):
-        stored = {} if meta.store_event == INVALID_JOB_ID else {meta.store_event: 1}
-        connector_output = KVConnectorOutput(
-            finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, ())),
-            kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(
-                completed_store_events=stored
-            ),
-        )
     scheduler.update_from_output(
         output,
         ModelRunnerOutput(
@@ -333,7 +324,22 @@ def step(scheduler: Scheduler) -> None:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
-            kv_connector_output=connector_output,
+            kv_connector_output=completed_transfers(output),
+        ),
+    )
+
+
+def completed_transfers(output: SchedulerOutput) -> KVConnectorOutput | None:
+    """The workers' report of a made-up step: every load and store the
+    simple CPU offload connector submitted in ``output`` has completed."""
+    meta = output.kv_connector_metadata
+    if not isinstance(meta, SimpleCPUOffloadMetadata):
+        return None
+    stored = {} if meta.store_event == INVALID_JOB_ID else {meta.store_event: 1}
+    return KVConnectorOutput(
+        finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, ())),
+        kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(
+            completed_store_events=stored
         ),
     )
 

@@ -1,0 +1,133 @@
+"""A router's view of one engine's prefix cache, built from its KV events.
+
+What a deployed KV-aware router keeps per engine: a *set* mirror (store
+adds a key, removal discards it: AIBrix, simple routers) and a *counting*
+mirror (one count per stored copy, the key leaves at 0: Dynamo's and
+llm-d's filters), both the overlay tests' own consumers
+(``overlay/tests/v1/core/kv_event_mirrors.py``, loaded from this checkout
+so that the live runs and the in-process stream tests judge the stream
+with one piece of code); and a token index, since a router sees token ids,
+not block hashes: each ``BlockStored`` names its blocks' tokens and its
+parent's hash, which maps every stored prefix of token ids to its key.
+
+``predict`` gives what each mirror expects the engine to serve from its
+cache for a prompt: the longest run of leading full blocks the mirror
+holds, capped as vLLM caps a hit (the prompt's last token is always
+computed), in tokens.
+
+Used only where vLLM is installed (the serving venv).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+MIRRORS = (
+    Path(__file__).resolve().parents[2]
+    / "overlay"
+    / "tests"
+    / "v1"
+    / "core"
+    / "kv_event_mirrors.py"
+)
+
+
+def _mirrors_module() -> Any:
+    spec = importlib.util.spec_from_file_location("kv_event_mirrors", MIRRORS)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the router mirrors from {MIRRORS}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class RouterView:
+    """The set and counting mirrors of one engine's stream, its token index,
+    and the stream's defects as a consumer sees them."""
+
+    def __init__(self, block_size: int) -> None:
+        mirrors = _mirrors_module()
+        self.block_size = block_size
+        self.set = mirrors.SetMirror()
+        self.counting = mirrors.CountMirror()
+        # parent hash -> the token ids of the prefix that block ends
+        self._prefix_of: dict[Any, tuple[int, ...]] = {}
+        # prefix of token ids (whole blocks) -> its mirror key
+        self._key_of: dict[tuple[int, ...], Any] = {}
+        self.repeat_stores = 0
+        self.orphan_stores = 0
+        self.stored = 0
+        self.removed = 0
+        self.cleared = 0
+
+    def apply(self, batch: Any) -> None:
+        from vllm.distributed.kv_events import (
+            AllBlocksCleared,
+            BlockRemoved,
+            BlockStored,
+        )
+
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._index(ev)
+                for h in ev.block_hashes:
+                    # A store of a key the engine already announced: a
+                    # second copy, or a stream that lost its removal.
+                    self.repeat_stores += (ev.medium, ev.group_idx, h) in (
+                        self.counting.counts
+                    )
+                self.stored += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.removed += len(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.cleared += 1
+            self.set.apply(ev)
+            self.counting.apply(ev)
+
+    def _index(self, ev: Any) -> None:
+        parent: tuple[int, ...] = ()
+        if ev.parent_block_hash is not None:
+            if ev.parent_block_hash not in self._prefix_of:
+                # Its tokens cannot be placed: the stream never stored its
+                # parent, so no prompt can be routed to these blocks.
+                self.orphan_stores += 1
+                return
+            parent = self._prefix_of[ev.parent_block_hash]
+        for i, h in enumerate(ev.block_hashes):
+            prefix = parent + tuple(ev.token_ids[: (i + 1) * self.block_size])
+            self._prefix_of[h] = prefix
+            self._key_of[prefix] = (ev.medium, ev.group_idx, h)
+
+    def predict(self, prompt: list[int]) -> dict[str, int]:
+        """Tokens of ``prompt`` each mirror expects served from the cache."""
+        holds = {
+            "set": self.set.keys.__contains__,
+            "counting": self.counting.counts.__contains__,
+        }
+        cap = (len(prompt) - 1) // self.block_size
+        out = {}
+        for name, held in holds.items():
+            blocks = 0
+            while blocks < cap:
+                key = self._key_of.get(tuple(prompt[: (blocks + 1) * self.block_size]))
+                if key is None or not held(key):
+                    break
+                blocks += 1
+            out[name] = blocks * self.block_size
+        return out
+
+    def mirrors_agree(self) -> bool:
+        return bool(self.set.keys == set(self.counting.counts))
+
+    def figures(self) -> dict[str, int]:
+        return {
+            "removals_of_unknown_keys": len(self.set.unknown_removals),
+            "counts_below_zero": len(self.counting.unknown_removals),
+            "repeat_stores": self.repeat_stores,
+            "stores_of_unknown_parents": self.orphan_stores,
+            "blocks_stored": self.stored,
+            "blocks_removed": self.removed,
+            "all_blocks_cleared": self.cleared,
+        }
