@@ -208,7 +208,7 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     assert "conflict markers in vllm/" in stopped.stderr
     assert _patch_files(checkout) == original
 
-    # Add: a new file, committed as 0008 with the header filled in.
+    # Add: a new file, committed as 0009 with the header filled in.
     note = ws / "vllm" / "overlay_walkthrough_note.py"
     run_block(
         checkout,
@@ -217,7 +217,7 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
         editor,
     )
     after_add = series.load_series(checkout.patches)
-    assert [p.name for p in after_add] == [*names, "0008-short-name.patch"]
+    assert [p.name for p in after_add] == [*names, "0009-short-name.patch"]
     assert after_add[-1].header["Description"].startswith("note which overlay")
     assert after_add[-1].targets == ("vllm/overlay_walkthrough_note.py",)
     for name in names:
@@ -225,7 +225,7 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
 
     # The maintainer commits the new patch (adopt and backport read git).
     git(checkout.root, "add", "-A", "--", "patches")
-    git(checkout.root, "commit", "-q", "-m", "Add 0008")
+    git(checkout.root, "commit", "-q", "-m", "Add 0009")
 
     # Backport: a comment of main's 0002 changes; `backport` carries only
     # that change into the CPU 0002, and the printed fold line is the
@@ -308,7 +308,7 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     assert walkthrough_blocks()["rebase"][8].startswith(printed.group(1) + " && ")
     assert not git(checkout.root, "status", "--porcelain", "--", "patches", "pin.toml")
     rebased = series.load_series(checkout.patches)
-    assert [p.name for p in rebased] == [*names, "0008-short-name.patch"]
+    assert [p.name for p in rebased] == [*names, "0009-short-name.patch"]
     assert _RUN_COMMENT_NOW in (checkout.patches / names[1]).read_text()
     assert 'version = "0.32.0"' in checkout.pin.read_text()
     assert (checkout.tree / "vllm" / "overlay_walkthrough_note.py").is_file()
