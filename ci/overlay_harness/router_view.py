@@ -3,10 +3,11 @@
 What a deployed KV-aware router keeps per engine: a *set* mirror (store
 adds a key, removal discards it: AIBrix, simple routers) and a *counting*
 mirror (one count per stored copy, the key leaves at 0: Dynamo's and
-llm-d's filters), both the overlay tests' own consumers
-(``overlay/tests/v1/core/kv_event_mirrors.py``, loaded from this checkout
-so that the live runs and the in-process stream tests judge the stream
-with one piece of code); and a token index, since a router sees token ids,
+llm-d's filters), both the reference consumer's
+(``overlay/vllm/distributed/kv_events_consumer.py``, the mirrors the overlay
+tests use too, loaded from this checkout by path, so that a run against any
+wheel, the official one included, judges the stream with one piece of
+code); and a token index, since a router sees token ids,
 not block hashes: each ``BlockStored`` names its blocks' tokens and its
 parent's hash, which maps every stored prefix of token ids to its key.
 
@@ -27,15 +28,14 @@ from typing import Any
 MIRRORS = (
     Path(__file__).resolve().parents[2]
     / "overlay"
-    / "tests"
-    / "v1"
-    / "core"
-    / "kv_event_mirrors.py"
+    / "vllm"
+    / "distributed"
+    / "kv_events_consumer.py"
 )
 
 
 def _mirrors_module() -> Any:
-    spec = importlib.util.spec_from_file_location("kv_event_mirrors", MIRRORS)
+    spec = importlib.util.spec_from_file_location("kv_events_consumer", MIRRORS)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the router mirrors from {MIRRORS}")
     module = importlib.util.module_from_spec(spec)
