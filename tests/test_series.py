@@ -88,6 +88,17 @@ def test_lint_finds_added_trailing_whitespace(checkout: Layout) -> None:
     assert series.diff_problems(patch) == ["line 13: added line ends in whitespace"]
 
 
+def test_lint_finds_a_leftover_orig_file(checkout: Layout) -> None:
+    leftover = (
+        "diff --git a/f.py.orig b/f.py.orig\nnew file mode 100644\n"
+        "--- /dev/null\n+++ b/f.py.orig\n@@ -0,0 +1 @@\n+x\n"
+    )
+    write_series(checkout, {"0001-a.patch": GOOD + leftover})
+    (patch,) = series.load_series(checkout.patches)
+    (problem,) = series.diff_problems(patch)
+    assert "leftover file f.py.orig" in problem
+
+
 def test_lint_finds_a_hunk_that_does_not_parse(checkout: Layout) -> None:
     write_series(
         checkout, {"0001-a.patch": GOOD.replace("@@ -2,7 +2,7 @@", "@@ -2,9 +2,7 @@")}

@@ -237,14 +237,24 @@ def header_problems(patch: Patch) -> list[str]:
 
 
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+# What `patch`, `git apply --reject` and editors leave beside a file; a diff
+# that touches one would ship it inside the wheel.
+_LEFTOVER_SUFFIXES = (".orig", ".rej", "~")
 
 
 def diff_problems(patch: Patch) -> list[str]:
-    """Hunks whose line counts do not add up, and added trailing whitespace."""
+    """Hunks whose line counts do not add up, added trailing whitespace, and
+    files that are leftovers of a failed apply or an editor."""
     problems: list[str] = []
     old_left = new_left = 0
     lines = patch.path.read_text().splitlines()
     for number, line in enumerate(lines, start=1):
+        if line.startswith("diff --git ") and line.endswith(_LEFTOVER_SUFFIXES):
+            name = line.rsplit(" b/", 1)[-1]
+            problems.append(
+                f"line {number}: diff adds the leftover file {name}; delete it in"
+                " the workspace and re-export the series"
+            )
         if old_left or new_left:
             tag = line[:1]
             if tag in (" ", ""):
