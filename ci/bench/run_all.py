@@ -34,6 +34,7 @@ from typing import Any
 
 import bench_block_pool
 import bench_events
+import bench_fleet
 import bench_hit_lookup
 import bench_hit_selection
 import bench_router
@@ -560,9 +561,14 @@ def _ratios(rows: list[dict[str, Any]], workload: str, key: str, digits: int) ->
     )
 
 
-def summary_section(results: dict[str, Any], build: dict[str, Any] | None) -> list[str]:
+def summary_section(
+    results: dict[str, Any],
+    build: dict[str, Any] | None,
+    fleet: dict[str, Any] | None,
+) -> list[str]:
     """One row per measure, every figure taken from the sections below (or
-    build.json, ``bench_build.py``'s report, when it is there)."""
+    build.json, ``bench_build.py``'s report, and fleet.json,
+    ``bench_fleet.py``'s, when they are there)."""
     bp, ev, rt = results["block_pool"], results["events"], results["router"]
     spread = [
         r[k]
@@ -624,6 +630,8 @@ def summary_section(results: dict[str, Any], build: dict[str, Any] | None) -> li
                 f"wheel) {f['median_s']:.2f} s",
             )
         )
+    if fleet is not None:
+        rows.append(bench_fleet.summary_row(fleet))
     return [
         "## Summary",
         "",
@@ -651,6 +659,8 @@ def render(out: Path) -> None:
         data[name] = json.loads(path.read_text())
     build_json = out / "build.json"
     build = json.loads(build_json.read_text()) if build_json.is_file() else None
+    fleet_json = out / "fleet.json"
+    fleet = json.loads(fleet_json.read_text()) if fleet_json.is_file() else None
     run, hits = data["run"], data["dup_first"]
     trees = run["trees"]
     lines = [
@@ -688,7 +698,7 @@ def render(out: Path) -> None:
         "",
         f"Command: `{run['command']}`",
         "",
-        *summary_section(data, build),
+        *summary_section(data, build, fleet),
         *block_pool_section(data["block_pool"]),
         *bench_hit_lookup.report_lines(data["hit_lookup"]),
         *events_section(data["events"]),
@@ -701,6 +711,7 @@ def render(out: Path) -> None:
         ),
         "Plots: " + ", ".join(run["plots"]),
         "",
+        *(bench_fleet.report_lines(fleet) if fleet is not None else []),
     ]
     # Written once every report has rendered, so a bad one changes nothing.
     bench_hit_selection.write_markdown(hits, out)

@@ -165,9 +165,11 @@ class LiveView:
     load runs (a SUB socket left unread would drop batches past its high
     water mark)."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, view: Any | None = None) -> None:
+        """``view``: anything with ``apply(batch)``; a ``RouterView`` if
+        none. Swap it under ``lock`` to start a fresh one."""
         self.sub = server.sub
-        self.view = RouterView(BLOCK)
+        self.view = RouterView(BLOCK) if view is None else view
         self.lock = threading.Lock()
         self.last_batch = time.monotonic()
         self.batches = 0

