@@ -111,31 +111,21 @@ U64 = (1 << 64) - 1
 # --------------------------------------------------------------------------
 
 
-def purelib(python: Path) -> str:
-    """The site-packages of ``python``."""
-    return subprocess.run(
-        [
-            str(python),
-            "-c",
-            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-
-
 def fleet_env(wheel: Path, base_python: Path, cache: Path, log: Path) -> Path:
     """The python of a venv with ``wheel`` and ``DYNAMO`` over the serving
     venv of ``base_python`` (a .pth file adds its site-packages after the
     venv's own), keyed by the wheel, Dynamo and that venv."""
+    from bench_live_cost import site_packages
+
     from vllm_overlay.venv import pip_install, stamped_venv
 
     key = f"{DYNAMO}\n{base_python}\n".encode() + wheel.read_bytes()
     digest = hashlib.sha256(key).hexdigest()
 
     def fill(python: Path) -> None:
-        Path(purelib(python), "serve_env.pth").write_text(purelib(base_python) + "\n")
+        (site_packages(python) / "serve_env.pth").write_text(
+            f"{site_packages(base_python)}\n"
+        )
         # --ignore-installed: pip sees the serving venv's vLLM through the
         # .pth and would otherwise uninstall it from there.
         pip_install(
