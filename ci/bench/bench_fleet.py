@@ -829,9 +829,12 @@ def driver_main(args: argparse.Namespace) -> int:
     from vllm_overlay.paths import default_layout
 
     wheels = {"ours": args.wheel, "official": args.official_wheel}
-    for label, wheel in wheels.items():
+    for option, wheel in (
+        ("--wheel", args.wheel),
+        ("--official-wheel", args.official_wheel),
+    ):
         if not wheel.is_file():
-            print(f"error: --{label} wheel {wheel} does not exist", file=sys.stderr)
+            print(f"error: {option} {wheel}: no such file", file=sys.stderr)
             return 2
     layout = default_layout()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-fleet-"))
