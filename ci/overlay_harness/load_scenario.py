@@ -261,6 +261,9 @@ class Run:
     blocks_removed_under_load: int = 0
     reset: dict[str, Any] = dataclasses.field(default_factory=dict)
     load_s: float = 0.0
+    # Seconds from send to the whole response, per completed load request
+    # (the clients that hang up have none): the live cost's latency.
+    latencies_s: list[float] = dataclasses.field(default_factory=list)
 
 
 class Scenario:
@@ -279,13 +282,15 @@ class Scenario:
                     barrier.wait(self.args.request_timeout)
                 if job.abort:
                     hang_up_midway(self.server.port, job, self.args.request_timeout)
-                else:
-                    server_scenario.complete(
-                        self.server.base,
-                        job.prompt,
-                        self.args.request_timeout,
-                        job.max_tokens,
-                    )
+                    continue
+                sent = time.monotonic()
+                server_scenario.complete(
+                    self.server.base,
+                    job.prompt,
+                    self.args.request_timeout,
+                    job.max_tokens,
+                )
+                self.run.latencies_s.append(time.monotonic() - sent)
         except BaseException as e:
             self.errors.append(e)
             barrier.abort()

