@@ -1,5 +1,6 @@
 """Run the KV-event benchmarks (block pool, hit look-up, event volume,
-router accuracy, hit selection) and the live cost of the CPU wheel.
+router accuracy, scheduler step, hit selection) and the live cost of the CPU
+wheel.
 
 One command: each bench starts one worker process per tree (patched and
 unpatched vLLM source trees, ``PYTHONPATH=<tree>``, the given Python), the
@@ -43,6 +44,7 @@ import bench_hit_lookup
 import bench_hit_selection
 import bench_live_cost
 import bench_router
+import bench_scheduler
 import benchlib as bl
 
 RATIO_GOAL = 1.02
@@ -53,6 +55,14 @@ LIVE_COST_QUICK = (
     "alone takes longer than the whole smoke run may."
 )
 GOAL_BELOW_ONE = ("c_duplicates", "logical")
+# Issue 21: bytecodes patched / unpatched, per workload and policy ("*": any).
+BYTECODE_GOALS = {
+    ("a_upstream", "*"): 1.00,
+    ("b_churn", "*"): 1.00,
+    ("c_duplicates", "logical"): 0.95,
+    ("c_duplicates", "last_copy"): 1.00,
+    ("c_duplicates", "physical"): 1.02,
+}
 
 
 def machine_line() -> str:
@@ -83,6 +93,19 @@ def goal_of(workload: str, policy: str) -> tuple[str, Any]:
 # --------------------------------------------------------------------------
 
 
+def bytecode_goal(workload: str, policy: str) -> float:
+    goal = BYTECODE_GOALS.get((workload, policy))
+    return BYTECODE_GOALS[(workload, "*")] if goal is None else goal
+
+
+def measured_on(res: dict[str, Any]) -> str:
+    """`` Measured <date>.`` for a report run on its own, not by this run."""
+    if "started" not in res:
+        return ""
+    quick = " with --quick (smaller workloads)" if res["quick"] else ""
+    return f" Measured {res['started']}, on its own{quick}."
+
+
 def passes_of(bp: dict[str, Any]) -> str:
     args = bp.get("worker_args", [])
     return args[args.index("--passes") + 1] if "--passes" in args else "1"
@@ -105,7 +128,7 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
             "repeats of each tree split in time order into a first and a second "
             "half; *halves* is the median of each half, *h2/h1* "
             "their ratio, *ratio half 1 / 2* the patched/unpatched ratio from "
-            "each half alone."
+            "each half alone." + measured_on(bp)
         ),
         "",
         (
@@ -165,18 +188,21 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
     out += [
         "",
         (
-            "Python bytecode instructions executed by one pass of b and c "
-            "(counted under an opcode tracer, identical on every run: the "
-            "interpreted work each tree does, not weighed by cost):"
+            "Python bytecode instructions executed by one pass of a (10,000 "
+            "blocks, 20 rounds per size), b and c (counted under an opcode "
+            "tracer, identical on every run: the interpreted work each tree "
+            "does, not weighed by cost), with issue 21's goals:"
         ),
         "",
-        "| workload | policy | patched | unpatched | ratio |",
-        "|---|---|---:|---:|---:|",
+        "| workload | policy | patched | unpatched | ratio | goal | met |",
+        "|---|---|---:|---:|---:|---|---|",
     ]
     for r in bp["bytecodes"]:
+        limit = bytecode_goal(r["workload"], r["policy"])
         out.append(
             f"| {r['workload']} | {r['policy']} | {r['patched']} "
-            f"| {r['unpatched']} | {r['ratio']:.4f} |"
+            f"| {r['unpatched']} | {r['ratio']:.4f} | <= {limit:.2f} "
+            f"| {'yes' if r['ratio'] <= limit else 'no'} |"
         )
     out += ["", "![block-pool ratios](block_pool_ratios.png)", ""]
     return out
@@ -522,6 +548,7 @@ BENCHES: dict[str, Any] = {
     "hit_lookup": bench_hit_lookup,
     "events": bench_events,
     "router": bench_router,
+    "scheduler": bench_scheduler,
 }
 
 
@@ -591,6 +618,9 @@ def drive_main(argv: list[str]) -> int:
         results["router"] = bench_router.drive(
             a.python, patched, unpatched, a.quick, a.model_dir, shared=shared
         )
+        results["scheduler"] = bench_scheduler.drive(
+            a.python, patched, unpatched, repeats, a.quick, a.model_dir, shared=shared
+        )
     finally:
         for w in shared.values():
             w.close()
@@ -626,7 +656,7 @@ def drive_main(argv: list[str]) -> int:
 # --------------------------------------------------------------------------
 
 REPORT = "README.md"
-KV_BENCHES = ("block_pool", "hit_lookup", "events", "router")
+KV_BENCHES = ("block_pool", "hit_lookup", "events", "router", "scheduler")
 
 
 def _ratios(rows: list[dict[str, Any]], workload: str, key: str, digits: int) -> str:
@@ -650,6 +680,12 @@ def summary_section(
     build.json, ``bench_build.py``'s report, and snapshot.json,
     ``bench_snapshot.py``'s, when they are there)."""
     bp, ev, rt = results["block_pool"], results["events"], results["router"]
+    sc = results["scheduler"]
+    sc_spread = [
+        r[k]
+        for r in sc["ratios"]
+        for k in ("patched_half_ratio", "unpatched_half_ratio")
+    ]
     spread = [
         r[k]
         for r in bp["ratios"]
@@ -673,12 +709,28 @@ def summary_section(
             f"{min(spread):.3f} to {max(spread):.3f}",
         ),
         (
+            "bytecode instructions, a_upstream, patched / unpatched (exact)",
+            _ratios(bp["bytecodes"], "a_upstream", "ratio", 4),
+        ),
+        (
             "bytecode instructions, b_churn, patched / unpatched (exact)",
             _ratios(bp["bytecodes"], "b_churn", "ratio", 4),
         ),
         (
             "bytecode instructions, c_duplicates (exact)",
             _ratios(bp["bytecodes"], "c_duplicates", "ratio", 4),
+        ),
+        (
+            "scheduler step time (schedule + update_from_output), patched / unpatched",
+            _ratios(sc["ratios"], "scheduler_step", "ratio", 3),
+        ),
+        (
+            "scheduler step, same version run twice (h2/h1 of either tree)",
+            f"{min(sc_spread):.3f} to {max(sc_spread):.3f}",
+        ),
+        (
+            "scheduler step, bytecode instructions (exact)",
+            _ratios(sc["bytecodes"], "scheduler_step", "ratio", 4),
         ),
         (
             "event bytes on the wire vs `logical`, c_duplicates",
@@ -798,6 +850,7 @@ def render(out: Path) -> None:
         "",
         *summary_section(data, build, snapshot),
         *block_pool_section(data["block_pool"]),
+        *bench_scheduler.report_lines(data["scheduler"]),
         *bench_hit_lookup.report_lines(data["hit_lookup"]),
         *events_section(data["events"]),
         *router_section(data["router"]),
