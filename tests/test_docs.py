@@ -174,6 +174,33 @@ def test_deploy_line_is_a_valid_config_of_the_built_engine() -> None:
     assert number(m[1]) == kv_events_config().buffer_steps
 
 
+def test_recovery_cost_is_the_reports() -> None:
+    """The README's recovery cost: the snapshot benchmark's largest snapshot
+    (docs/benchmarks/snapshot.json) and the late consumer of the recorded
+    live run (docs/cpu-server/snapshot-recovery.json)."""
+    bench = json.loads((BENCH_DOCS / "snapshot.json").read_text())
+    largest = bench["snapshot"][-1]
+    m = quoted(
+        r"a snapshot of ([\d,]+) held keys takes ([\d,]+) ms from request to "
+        r"end, holds no live batch back longer than ([\d.]+) ms, and its "
+        r"record costs ([\d,]+) bytes per held key"
+    )
+    assert m.groups() == (
+        f"{largest['held_keys']:,}",
+        f"{largest['request_to_end_ms']:,.0f}",
+        f"{largest['longest_batch_ms']:.1f}",
+        f"{bench['memory']['bytes_per_key']:,.0f}",
+    )
+    runs = json.loads((ROOT / "docs/cpu-server/snapshot-recovery.json").read_text())
+    (ours,) = [r for r in runs if r["label"] == "overlay"]
+    late = ours["consumers"]["late"]
+    m = quoted(
+        r"a consumer that joined the live CPU server late had its ([\d,]+) "
+        r"keys by snapshot in ([\d,]+) ms"
+    )
+    assert m.groups() == (f"{late['join_keys']:,}", f"{late['join_s'] * 1000:,.0f}")
+
+
 def test_readme_names_the_ci_command() -> None:
     """.ci/run's command is one of the README's two commands."""
     run = (ROOT / ".ci" / "run").read_text()

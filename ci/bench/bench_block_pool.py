@@ -31,11 +31,12 @@ By default every repeat runs in a fresh pair of worker processes
 layout...) that repeats inside it cannot average out.
 
 Timings on a shared 2-core machine move by a few percent between processes,
-more than the overhead under test; so b and c are also run once per tree and
-policy under an opcode tracer (``benchlib.bytecodes_executed``): the Python
-bytecode instructions executed, the same on every run.  That count says how
-much interpreted work a patch adds, exactly; it does not weigh instructions
-(an allocation counts as one), so the timed ratio remains the figure to judge.
+more than the overhead under test; so a (smaller: ``COUNTED_UPSTREAM``), b
+and c are also run once per tree and policy under an opcode tracer
+(``benchlib.bytecodes_executed``): the Python bytecode instructions
+executed, the same on every run.  That count says how much interpreted work
+a patch adds, exactly; it does not weigh instructions (an allocation counts
+as one), so the timed ratio remains the figure to judge.
 
 Reported: the median over repeats per tree/workload/policy, the ratio of
 medians patched/unpatched, and the spread of running the same version twice:
@@ -47,6 +48,7 @@ ratio, and the patched/unpatched ratio computed from each half alone.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import gc
 import sys
 import time
@@ -59,6 +61,10 @@ import benchlib as bl
 UPSTREAM_SIZES = (10, 50, 100, 500, 1000)
 # b/c: each repeat's figure is the best of this many passes (fresh pool each).
 PASSES = 3
+# a_upstream under the opcode tracer: (num_gpu_blocks, num_iteration). The
+# timed run's 100,000 blocks and 1,000 rounds would take minutes to trace;
+# every round is the same calls, so fewer give the same ratio.
+COUNTED_UPSTREAM = (10000, 20)
 
 
 # --------------------------------------------------------------------------
@@ -141,16 +147,21 @@ class BlockPoolWorker:
         return self.run(command)
 
     def count(self) -> dict[str, Any]:
-        """Bytecode instructions per hashed workload and policy (b and c)."""
+        """Bytecode instructions of a (on ``COUNTED_UPSTREAM``), and per hashed
+        workload and policy of b and c."""
+        upstream = bl.bytecodes_executed(lambda: time_upstream(*COUNTED_UPSTREAM))
         return {
             "bytecodes": {
-                wl.name: {
-                    bl.policy_label(policy): count_hashed(
-                        wl, self.requests[wl.name], policy
-                    )
-                    for policy in self.policies
-                }
-                for wl in self.workloads
+                "a_upstream": {"-": upstream},
+                **{
+                    wl.name: {
+                        bl.policy_label(policy): count_hashed(
+                            wl, self.requests[wl.name], policy
+                        )
+                        for policy in self.policies
+                    }
+                    for wl in self.workloads
+                },
             }
         }
 
@@ -291,6 +302,7 @@ def drive(
     ]
     trees = {"patched": patched, "unpatched": unpatched}
     t0 = time.time()
+    started = f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC"
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     # Generations of worker processes: ``per_process`` repeats in each pair
     # of processes, then a fresh pair, so that the medians (and the half-split)
@@ -341,6 +353,7 @@ def drive(
     summary = summarize(runs)
     return {
         "bench": "block_pool",
+        "started": started,
         "repeats": repeats,
         "repeats_per_process": step,
         "process_generations": len(generations),

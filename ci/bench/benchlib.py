@@ -28,7 +28,11 @@ from typing import Any
 
 # The benches run as scripts from ci/bench; the project's modules live in ci/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from overlay_harness.cpu_scheduler import make_cpu_scheduler, step  # noqa: E402, F401
+from overlay_harness.cpu_scheduler import (  # noqa: E402, F401
+    made_up_output,
+    make_cpu_scheduler,
+    step,
+)
 
 BLOCK_SIZE = 16
 POLICIES: tuple[str, ...] = ("logical", "last_copy", "physical")

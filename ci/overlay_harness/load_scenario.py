@@ -58,6 +58,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,9 @@ class Scenario:
         self.run = Run()
         self.workload = Workload(args.seed)
         self.errors: list[BaseException] = []
+        # Further routers whose prediction each probe records beside the
+        # view's (``recovery_scenario``'s consumers), in tokens.
+        self.predictors: dict[str, Callable[[list[int]], int]] = {}
 
     def _client(self, jobs: list[Job], barrier: threading.Barrier) -> None:
         try:
@@ -344,6 +348,7 @@ class Scenario:
     def probe(self, prompt: list[int], phase: str) -> dict[str, Any]:
         with self.live.lock:
             predicted = self.live.view.predict(prompt)
+        predicted |= {name: p(prompt) for name, p in self.predictors.items()}
         out = server_scenario.complete(
             self.server.base, prompt, self.args.request_timeout
         )
@@ -461,8 +466,11 @@ def record(out: Path, result: dict[str, Any]) -> None:
     tmp.replace(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None, jobs: int, probes: int
+) -> argparse.Namespace:
+    """The options of a load run (``ap`` may hold more), ``--log-dir``
+    created, a temporary one when not given."""
     ap.add_argument(
         "--policy",
         choices=list(server_scenario.EXPECTED),
@@ -471,13 +479,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--label", required=True, help="which wheel is installed")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jobs", type=int, default=20, help="jobs per client per phase")
-    ap.add_argument("--probes", type=int, default=12, help="probes per quiesce")
+    ap.add_argument("--jobs", type=int, default=jobs, help="jobs per client per phase")
+    ap.add_argument("--probes", type=int, default=probes, help="probes per quiesce")
     server_scenario.add_server_args(ap, request_timeout_s=60.0, quiet_s=0.3)
     ap.add_argument("--out", type=Path, help="record the run in this JSON list")
     args = ap.parse_args(argv)
-    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="load-scenario-"))
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=f"{ap.prog}-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = parse_args(ap, argv, jobs=20, probes=12)
     try:
         result = run(args.policy, args.label, args)
     except SetupError as e:

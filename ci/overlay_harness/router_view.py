@@ -34,7 +34,8 @@ MIRRORS = (
 )
 
 
-def _mirrors_module() -> Any:
+def checkout_consumer() -> Any:
+    """The reference consumer module of this checkout, whatever the wheel."""
     spec = importlib.util.spec_from_file_location("kv_events_consumer", MIRRORS)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the router mirrors from {MIRRORS}")
@@ -48,7 +49,7 @@ class RouterView:
     and the stream's defects as a consumer sees them."""
 
     def __init__(self, block_size: int) -> None:
-        mirrors = _mirrors_module()
+        mirrors = checkout_consumer()
         self.block_size = block_size
         self.set = mirrors.SetMirror()
         self.counting = mirrors.CountMirror()

@@ -13,6 +13,7 @@ whose ``vllm serve`` is broken, with its module entry (``OFFICIAL_ENTRY``).
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,9 @@ def serve_env(wheel: Path, name: str = "serve-env") -> Path:
 OFFICIAL_ENTRY = ("-m", "vllm.entrypoints.openai.api_server", "--model")
 
 
+# Cached: the probe imports vLLM (a minute on a loaded 2-core machine), and a
+# run that restarts its server asks again for the same venv.
+@functools.cache
 def vllm_serve(python: Path, model: Path) -> list[str]:
     """The command that serves ``model``: ``vllm serve`` from the venv of
     ``python`` (its ``bin/``, where pip put the wheel's console script), or,

