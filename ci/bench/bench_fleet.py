@@ -652,7 +652,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     """The fleet section of docs/benchmarks/README.md."""
     r = report
     lines = [
-        "## Fleet: two CPU servers behind a KV-aware router"
+        "## 7. Fleet: two CPU servers behind a KV-aware router"
         + (" (quick smoke run)" if r["quick"] else ""),
         "",
         (
@@ -732,7 +732,7 @@ def summary_row(report: dict[str, Any]) -> tuple[str, str]:
     ]
     return (
         "fleet prefix-hit ratio, two CPU servers behind a KV-aware router "
-        "([fleet](#fleet-two-cpu-servers-behind-a-kv-aware-router))",
+        "([fleet](#7-fleet-two-cpu-servers-behind-a-kv-aware-router))",
         ", ".join(parts),
     )
 

@@ -865,6 +865,7 @@ def render(out: Path) -> None:
         *hit_selection_section(hits),
         *bench_live_cost.report_lines(data["live_cost"]),
         *(snapshot_section(snapshot) if snapshot is not None else []),
+        *(bench_fleet.report_lines(fleet) if fleet is not None else []),
         *provenance_lines(
             {k: data[k] for k in KV_BENCHES},
             run["tree_digest_start"],
@@ -872,7 +873,6 @@ def render(out: Path) -> None:
         ),
         "Plots: " + ", ".join(run["plots"]),
         "",
-        *(bench_fleet.report_lines(fleet) if fleet is not None else []),
     ]
     # Written once every report has rendered, so a bad one changes nothing.
     bench_hit_selection.write_markdown(hits, out)
