@@ -97,7 +97,13 @@ def test_reference_consumer_recovers_exactly(
     # Joining is a snapshot; so is every restart.
     assert consumers["late"]["recoveries"].get("snapshot", 0) >= 2, consumers["late"]
     assert consumers["during"]["recoveries"].get("snapshot", 0) >= 2
-    assert consumers["short"]["recoveries"].get("replay", 0) >= 1, consumers["short"]
+    # Its gap is inside the buffer when it is seen; but the consumer thread
+    # shares the GIL with ten client threads, and when it reads the gap more
+    # than buffer_steps batches late the replay is refused and a snapshot is
+    # the right recovery (seen once on a loaded machine). Replay itself is
+    # proven deterministically by test_kv_event_snapshot_recovery.py.
+    short = consumers["short"]["recoveries"]
+    assert short.get("replay", 0) >= 1 or short.get("snapshot", 0) >= 3, short
     # Joined, restarted, and one more past the buffer.
     assert consumers["long"]["recoveries"].get("snapshot", 0) >= 3, consumers["long"]
 

@@ -59,6 +59,9 @@ BLOCK = server_scenario.BLOCK_SIZE
 # Small, so that one load phase overruns it many times over.
 BUFFER_STEPS = 8
 SHORT_GAP = 3
+# Running requests the `during` consumer waits for before it joins, so that
+# some still run when its snapshot has been served (the server runs up to 6).
+DURING_MIN_RUNNING = 3
 # The reference CLI's default idle interval before a status poll.
 POLL_S = 1.0
 
@@ -197,16 +200,23 @@ class Recovery:
         scenario.predictors[name] = consumer.predict
         return consumer
 
-    def join_during_load(self, scenario: Scenario, after_batches: int) -> None:
-        """Join once the load phase has published ``after_batches`` batches,
-        with the server's requests counted just before and after the join."""
-        deadline = time.monotonic() + self.args.request_timeout
+    def join_during_load(
+        self, scenario: Scenario, after_batches: int, load_done: threading.Event
+    ) -> None:
+        """Join once the load phase has published ``after_batches`` batches
+        and the server runs at least ``DURING_MIN_RUNNING`` requests, with
+        them counted just before and after the join. On an idle machine the
+        phase's last requests can finish within a join, so it waits for a
+        moment with several running rather than taking the first one."""
         while scenario.live.batches < after_batches:
-            if time.monotonic() > deadline:
+            if load_done.wait(0.01):
                 return
-            time.sleep(0.01)
         base = scenario.server.base
-        running = metric(base, "vllm:num_requests_running")
+        while (running := metric(base, "vllm:num_requests_running")) < (
+            DURING_MIN_RUNNING
+        ):
+            if load_done.wait(0.02):
+                return
         consumer = self.join(scenario, "during")
         self.during = {
             "requests_running_before_join": running,
@@ -241,9 +251,10 @@ class Recovery:
 
     def load(self, scenario: Scenario) -> None:
         before = scenario.live.batches
+        load_done = threading.Event()
         joiner = threading.Thread(
             target=self.join_during_load,
-            args=(scenario, before + BUFFER_STEPS),
+            args=(scenario, before + BUFFER_STEPS, load_done),
         )
         self.consumers["short"].lose = SHORT_GAP
         self.consumers["long"].cut = True
@@ -251,6 +262,7 @@ class Recovery:
         try:
             scenario.load(self.args.jobs)
         finally:
+            load_done.set()
             self.consumers["long"].cut = False
             joiner.join()
         if "during" not in self.consumers:
