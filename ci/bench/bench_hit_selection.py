@@ -7,8 +7,9 @@ has none). The trees:
 
   upstream   -- the unpatched vLLM 0.33.0: a hit takes the first copy;
   series     -- the patched tree without ``DUP_FIRST_PATCH`` (0006), laid as
-                a copy with that patch reversed: a hit takes a copy in use
-                (0004);
+                a copy with that patch reversed (after the later patches
+                that edit its files, ``patches_to_reverse``): a hit takes a
+                copy in use (0004);
   dup_first  -- the patched tree: a freed copy whose key stays resident goes
                 to the front of the free queue (0006).
 
@@ -61,11 +62,8 @@ import benchlib as bl
 
 BLOCK_SIZE = bl.BLOCK_SIZE
 # The patch under test; the series tree is the patched tree without it.
-DUP_FIRST_PATCH = str(
-    Path(__file__).resolve().parents[2]
-    / "patches"
-    / "0006-prefix-cache-duplicates-leave-first.patch"
-)
+PATCHES = Path(__file__).resolve().parents[2] / "patches"
+DUP_FIRST_PATCH = str(PATCHES / "0006-prefix-cache-duplicates-leave-first.patch")
 EOS = 2
 MAX_MODEL_LEN = 4096
 
@@ -324,23 +322,47 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def touched_files(patch: Path) -> set[str]:
+    return {
+        line.split(" b/", 1)[1]
+        for line in patch.read_text().splitlines()
+        if line.startswith("diff --git ")
+    }
+
+
+def patches_to_reverse() -> list[Path]:
+    """``DUP_FIRST_PATCH`` and, newest first before it, every later patch of
+    the series that edits one of its files: those edit its lines, so it does
+    not reverse under them (0010, which changes no behaviour)."""
+    names = [
+        line.strip()
+        for line in (PATCHES / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    dup_first = Path(DUP_FIRST_PATCH)
+    files = touched_files(dup_first)
+    later = [PATCHES / n for n in names[names.index(dup_first.name) + 1 :]]
+    return [p for p in reversed(later) if touched_files(p) & files] + [dup_first]
+
+
 def lay_trees(patched: Path, unpatched: Path, scratch: Path) -> dict[str, Path]:
     """The three trees: ``series`` is a copy of ``patched``'s ``vllm/`` under
-    ``scratch`` with ``DUP_FIRST_PATCH`` reversed."""
+    ``scratch`` with ``patches_to_reverse()`` reversed."""
     series = scratch / "series"
     shutil.copytree(patched / "vllm", series / "vllm")
-    proc = subprocess.run(
-        ["patch", "-R", "-p1", "-s", "--no-backup-if-mismatch", "-i", DUP_FIRST_PATCH],
-        cwd=series,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"{patched} does not hold {DUP_FIRST_PATCH} (it does not reverse: "
-            f"{(proc.stdout + proc.stderr).strip()[:500]}); run ./build.sh first"
+    for patch in patches_to_reverse():
+        proc = subprocess.run(
+            ["patch", "-R", "-p1", "-s", "--no-backup-if-mismatch", "-i", str(patch)],
+            cwd=series,
+            capture_output=True,
+            text=True,
+            check=False,
         )
+        if proc.returncode != 0:
+            raise SystemExit(
+                f"{patched} does not hold {patch} (it does not reverse: "
+                f"{(proc.stdout + proc.stderr).strip()[:500]}); run ./build.sh first"
+            )
     return {"upstream": unpatched, "series": series, "dup_first": patched}
 
 
