@@ -85,7 +85,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The project's modules live in ci/, the benches' shared helpers beside this
+# file (tests/test_docs.py imports it by path, without ci/bench on sys.path).
+sys.path[:0] = [
+    str(Path(__file__).resolve().parents[1]),
+    str(Path(__file__).resolve().parent),
+]
+import benchlib as bl  # noqa: E402
 
 # Dynamo's runtime wheel, the index of its KV router. Installed without its
 # dependencies: they serve its Python-side modules, not the compiled core
@@ -518,12 +524,6 @@ class Fleet:
             t.join()
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank ``q`` percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q * len(ordered)) - 1))]
-
-
 def summarize(
     config: str, records: list[dict[str, Any]], wall_s: float, router: Router
 ) -> dict[str, Any]:
@@ -539,8 +539,8 @@ def summarize(
         "hit_ratio": cached / prompt,
         "tokens_recomputed": prompt - cached,
         "burst_requests": sum(r["burst"] for r in records),
-        "ttft_p50_s": percentile(ttft, 0.50),
-        "ttft_p95_s": percentile(ttft, 0.95),
+        "ttft_p50_s": bl.percentile(ttft, 0.50),
+        "ttft_p95_s": bl.percentile(ttft, 0.95),
         "wall_s": wall_s,
         "requests_per_s": len(records) / wall_s,
         "prompt_tokens_per_s": prompt / wall_s,

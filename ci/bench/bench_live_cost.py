@@ -97,12 +97,6 @@ def worker_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """The ``q`` quantile of ``xs``, nearest rank."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 def server_cpu_s(session: int) -> float:
     """User + system CPU seconds so far of the processes in the server's
     session (it starts its own: the API server, its engine core and their
@@ -142,8 +136,8 @@ def phase(server: server_scenario.Server, args: argparse.Namespace) -> dict[str,
             "completed": len(r.latencies_s),
             "load_s": r.load_s,
             "requests_per_s": r.requests / r.load_s,
-            "p50_latency_s": percentile(r.latencies_s, 0.5),
-            "p95_latency_s": percentile(r.latencies_s, 0.95),
+            "p50_latency_s": bl.percentile(r.latencies_s, 0.5),
+            "p95_latency_s": bl.percentile(r.latencies_s, 0.95),
             "server_cpu_ms_per_request": 1e3 * server_cpu / r.requests,
             "client_cpu_ms_per_request": 1e3 * client_cpu / r.requests,
             "event_batches": scenario.live.batches - batches_before,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -289,6 +290,15 @@ def median(xs: Sequence[float]) -> float:
         return float("nan")
     mid = n // 2
     return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``xs`` (0 < q <= 1): the smallest
+    value with at least ``q`` of ``xs`` at or below it, one of the samples."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    return s[max(0, math.ceil(q * len(s)) - 1)]
 
 
 # --------------------------------------------------------------------------
