@@ -69,8 +69,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "run-split-off-by-one",
         "the next BlockStored run starts at the already resident block",
         BLOCK_POOL,
-        "            run_start = run_end + 1\n",
-        "            run_start = run_end\n",
+        "                run_start = num_cached_blocks + i + 1\n",
+        "                run_start = num_cached_blocks + i\n",
     ),
     Mutant(
         "reset-all-blocks-cleared",
@@ -85,6 +85,14 @@ MUTANTS: tuple[Mutant, ...] = (
         BLOCK_POOL,
         "                referenced = self.referenced_copies.get(key)\n",
         "                referenced = None\n",
+    ),
+    Mutant(
+        "first-copy-unmarked",
+        "insert marks only the new block when a key gains a second copy, so "
+        "the pool never notes the first copy's ref_cnt changes",
+        BLOCK_POOL,
+        "            blocks.has_copies = block.has_copies = True\n",
+        "            block.has_copies = True\n",
     ),
     Mutant(
         "move-drops-key",
@@ -109,8 +117,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "sliding-window-mask-ignored",
         "BlockStored lists blocks the sliding-window mask leaves out",
         BLOCK_POOL,
-        "            if block_mask is not None and not block_mask[i - mask_offset]:\n"
-        "                continue\n",
+        "                if block_mask is not None and not block_mask["
+        "i - num_cached_blocks]:\n                    continue\n",
         "",
     ),
     Mutant(
@@ -118,17 +126,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "a freed duplicate whose key stays resident goes to the back of the "
         "free queue (0006 undone: it ages out behind unique prefixes)",
         BLOCK_POOL,
-        "        self.free_block_queue.prepend_n(surplus)\n",
-        "        self.free_block_queue.append_n(surplus)\n",
+        "            # freed.\n            blocks_to_evict_first.append(block)\n",
+        "            # freed.\n            blocks_to_evict_last.append(block)\n",
     ),
     Mutant(
         "older-free-copy-kept",
         "when a later copy of the key is freed, the key's older free copy "
         "keeps its LRU place instead of going to the front",
         BLOCK_POOL,
-        "                self.free_block_queue.remove(previous)\n"
-        "                surplus.append(previous)\n",
-        "                pass\n",
+        "            self.free_block_queue.remove(previous)\n"
+        "            blocks_to_evict_first.append(previous)\n",
+        "            pass\n",
     ),
     Mutant(
         "copy-left-alone-stays-first",
