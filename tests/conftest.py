@@ -16,38 +16,20 @@ from typing import Any
 
 import pytest
 
-from vllm_overlay.paths import Layout, copy_checkout, default_layout
+from overlay_harness import walkthrough
+
+# re-exported: the tests take them from here
+from overlay_harness.walkthrough import GIT_IDENTITY as GIT_IDENTITY
+from overlay_harness.walkthrough import git as git
+from vllm_overlay.paths import Layout, default_layout
 
 REPO = default_layout()
-
-# Who commits in the tests' git repositories (a maintainer's clone has one).
-GIT_IDENTITY = {
-    "GIT_AUTHOR_NAME": "Maintainer",
-    "GIT_AUTHOR_EMAIL": "maintainer@example.invalid",
-    "GIT_COMMITTER_NAME": "Maintainer",
-    "GIT_COMMITTER_EMAIL": "maintainer@example.invalid",
-}
-
-
-def git(root: Path, *args: str) -> str:
-    """The output of ``git -C root ARGS``, which must succeed."""
-    return subprocess.run(
-        ["git", "-C", str(root), *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **GIT_IDENTITY},
-    ).stdout
 
 
 def committed_copy(dest: Path) -> Path:
     """This checkout's tracked files at ``dest``, committed in a repository of
     their own, as a maintainer's clone has them."""
-    root = copy_checkout(REPO, dest, None).root
-    git(root, "init", "-q")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "project")
-    return root
+    return walkthrough.committed_copy(REPO, dest)
 
 
 def built_wheel(layout: Layout = REPO) -> Path:

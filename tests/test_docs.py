@@ -112,6 +112,20 @@ def test_readme_fleet_headline_is_the_fleet_report() -> None:
     quoted(re.escape(flat(bench_fleet.headline(report))))
 
 
+def test_rebase_duration_is_the_rebase_report() -> None:
+    """How long a rebase takes, stated once (README): ``rebase_sentence`` of
+    the committed docs/benchmarks/rebase.json (ci/bench/bench_rebase.py)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_rebase", ROOT / "ci" / "bench" / "bench_rebase.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench_rebase = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_rebase)
+    report = json.loads((BENCH_DOCS / "rebase.json").read_text())
+    assert len(report["runs"]) >= 3, "a median needs at least 3 runs"
+    quoted(re.escape(flat(bench_rebase.rebase_sentence(report))))
+
+
 def test_seed_scenario_table_is_the_harness_table() -> None:
     quoted(r"\| build \| `copy_semantics` \| stored before pressure \|")
     rows = {}

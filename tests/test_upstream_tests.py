@@ -371,3 +371,37 @@ def test_every_pinned_test_requirement_is_recorded() -> None:
     ]
     assert all("==" in p for p in pins), "pin every test requirement exactly"
     assert ut.recorded_distributions()[3:] == [p.split("==")[0] for p in pins]
+
+
+def test_check_without_a_baseline_runs_only_the_new_tests(tmp_path: Path) -> None:
+    """The rebase's gate: no baseline, so upstream's tests do not run (their
+    failing one is not seen); every test of --extra must pass, and a check
+    with nothing to run is an error, not a pass."""
+    tree = tmp_path / "tree"
+    (tree / "tests" / "new").mkdir(parents=True)
+    (tree / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (tree / "tests" / "test_up.py").write_text("def test_up():\n    assert 0\n")
+    new = tree / "tests" / "new" / "test_n.py"
+    new.write_text("def test_n():\n    pass\n")
+    pkg_root = Path(ut.__file__).resolve().parent.parent
+
+    def check(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "overlay_harness.upstream_tests", "check", "-q"]
+            + ["--tree", str(tree), "--python", sys.executable, "--extra", *extra],
+            cwd=pkg_root,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    passed = check("tests/new/test_n.py")
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "upstream tests: 1 run passed 1," in passed.stdout
+    assert "VERSION DRIFT" not in passed.stdout
+    new.write_text("def test_n():\n    assert 0\n")
+    failed = check("tests/new/test_n.py")
+    assert failed.returncode == 1
+    assert "tests/new/test_n.py::test_n  [failed]" in failed.stdout
+    nothing = check()
+    assert nothing.returncode == 2 and "name tests" in nothing.stderr

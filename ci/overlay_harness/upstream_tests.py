@@ -4,7 +4,7 @@ Usage::
 
     python -m overlay_harness.upstream_tests record --tree T --python P --out B.json
     python -m overlay_harness.upstream_tests check --tree T --python P \
-        --baseline B.json \
+        [--baseline B.json] \
         [--extra tests/v1/core/test_new.py ... --expected ci/overlay-tests.txt]
     python -m overlay_harness.upstream_tests expected --tree T --python P \
         --extra tests/v1/core/test_new.py ... --out ci/overlay-tests.txt
@@ -31,6 +31,8 @@ venv where the matching vLLM wheel is installed.  The steps:
    makes an emptied, renamed or uncollectable new test file fail: without
    it, a test that never ran is not a result at all. ``expected`` writes
    that list by collecting the ``--extra`` paths (``pytest --collect-only``).
+   ``check`` without ``--baseline`` runs only the ``--extra`` paths, each of
+   whose tests must pass: the rebase's gate (``ci/overlay rebase-test``).
 
 Stdlib only: this module runs under any Python 3.11, not only the test venv.
 """
@@ -779,7 +781,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
                 help="test paths (default: the built-in selection)",
             )
         else:
-            p.add_argument("--baseline", required=True, type=Path)
+            p.add_argument(
+                "--baseline",
+                type=Path,
+                help="the unpatched tree's outcomes; without it only --extra "
+                "runs, and every test of it must pass (the rebase's gate)",
+            )
             p.add_argument(
                 "--extra", nargs="*", default=[], help="more test paths (new tests)"
             )
@@ -826,7 +833,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"{len(ids)} node ids written: {args.out}")
             return 0
         if args.cmd == "check":
-            base = load_baseline(args.baseline)
+            if args.baseline is None and not args.extra:
+                raise HarnessError("check without --baseline runs --extra: name tests")
+            base = (
+                load_baseline(args.baseline) if args.baseline else Baseline({}, (), {})
+            )
             expected = load_expected(args.expected) if args.expected else None
             selection = [*base.selection, *args.extra]
         else:
@@ -847,13 +858,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
             ok = True
         else:
             cmp = compare(base, run.results, expected)
-            if base.meta.get("env") != run.env:
+            if args.baseline and base.meta.get("env") != run.env:
                 print(
                     "warning: run environment differs from the baseline's: "
                     f"baseline {base.meta.get('env')}, now {run.env}"
                 )
             drift = version_drift(dict(base.meta.get("versions", {})), run.versions)  # type: ignore[call-overload]
-            if drift:
+            if drift and args.baseline:
                 print(
                     "VERSION DRIFT between the baseline and this run (outcomes "
                     "may differ for that reason alone; pin the baseline's "

@@ -21,6 +21,7 @@ from vllm_overlay import (
     build,
     dist,
     fetch,
+    gate,
     manifest,
     notice,
     overlay,
@@ -338,7 +339,14 @@ def cmd_adopt(layout: Layout, args: argparse.Namespace) -> str:
     # what rebased/patches holds.
     ws = adopt.check_exported(layout, args.version)
     print(rebase.finish(layout, ws, args.version, args.python), file=sys.stderr)
+    gate.require_pass(layout, args.version)
     return adopt.adopt(layout, args.version)
+
+
+def cmd_rebase_test(layout: Layout, args: argparse.Namespace) -> str:
+    ws = adopt.check_exported(layout, args.version)
+    print(rebase.finish(layout, ws, args.version, args.python), file=sys.stderr)
+    return gate.rebase_test(layout, args.version, args.tests)
 
 
 def cmd_backport(layout: Layout, args: argparse.Namespace) -> str:
@@ -457,6 +465,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("version", metavar="VERSION")
     p.add_argument("--python", type=Path, help=python_help)
+    p = add(
+        "rebase-test",
+        cmd_rebase_test,
+        "build an exported rebase with its release's wheel and run the overlay's "
+        "tests on it (adopt needs it to pass)",
+    )
+    p.add_argument("version", metavar="VERSION")
+    p.add_argument("--python", type=Path, help=python_help)
+    p.add_argument(
+        "--tests",
+        nargs="+",
+        metavar="FILE",
+        help="only these test files (tests/...py); adopt does not accept such a run",
+    )
     p = add(
         "backport",
         cmd_backport,

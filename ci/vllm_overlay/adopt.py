@@ -109,7 +109,7 @@ def _pathspecs(layout: Layout) -> list[str]:
     return ["--", *rel, *(f":(exclude){s}" for s in skip)]
 
 
-def _check_result(layout: Layout, rebased: Path, command: str) -> list[Path]:
+def check_result(layout: Layout, rebased: Path, command: str) -> list[Path]:
     """The result's paths, in the order of ``owned``, after checking they
     form a target that names the same folders as this one."""
     pin = rebased / "pin.toml"
@@ -147,7 +147,7 @@ def adopt(layout: Layout, version: str) -> str:
     ``version``; return the ``git diff --stat`` to commit."""
     work = version_dir(layout, version)
     rebased = work / "rebased"
-    sources = _check_result(layout, rebased, layout.command)
+    sources = check_result(layout, rebased, layout.command)
     record = work / SOURCE_RECORD
     if not record.is_file():
         raise OverlayError(
@@ -173,7 +173,7 @@ def adopt(layout: Layout, version: str) -> str:
             f"rebase the current files: `mv {work} {work}.old && {layout.command} "
             f"rebase-check {version} --write`",
         )
-    _replace(layout, sources)
+    replace(layout, sources)
     root = layout.root
     stat = _git(root, "diff", "--stat=200", *specs)
     new = _git(root, "ls-files", "--others", "--exclude-standard", *specs).split()
@@ -228,7 +228,10 @@ def _stage(dest: Path, source: Path, keep: list[Path]) -> Path:
     return staged
 
 
-def _replace(layout: Layout, sources: list[Path]) -> None:
+def replace(layout: Layout, sources: list[Path]) -> None:
+    """Put ``sources`` (a result's pin, series, overlay) in place of the
+    target's own, keeping other targets' paths inside them; all or nothing.
+    The test gate lays its copy of the checkout with it too."""
     # A target without an overlay folder has none in its result either.
     pairs = [(d, s) for d, s in zip(owned(layout), sources, strict=True) if s.exists()]
     targets = [d for d, _ in pairs]

@@ -35,11 +35,12 @@ MODES = ("assemble", "python-only", "from-source")
 
 
 @contextlib.contextmanager
-def one_at_a_time(build_dir: Path) -> Iterator[None]:
+def one_at_a_time(build_dir: Path, what: str = "build") -> Iterator[None]:
     """Hold the target's build lock (``.lock`` in its build folder): two
     builds of one target lay, patch and remove the same ``tree.partial``.
     A second build says whom it waits for, then waits. The folder of
-    another target (``build/targets/NAME``) has a lock of its own."""
+    another target (``build/targets/NAME``) has a lock of its own. ``what``
+    names the work in that line (the rebase's gate locks its venvs too)."""
     build_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(build_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -48,7 +49,7 @@ def one_at_a_time(build_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode().strip() or "unknown"
             print(
-                f"  another build is running (pid {holder}) in {build_dir}; "
+                f"  another {what} is running (pid {holder}) in {build_dir}; "
                 "waiting for it to finish",
                 file=sys.stderr,
                 flush=True,

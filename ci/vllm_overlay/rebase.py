@@ -16,8 +16,10 @@ pinned release; a conflict stops with markers for a human (``ci/overlay
 workspace --continue``). The finished tree is then checked by running code
 (``check_rebased``: compile, ruff with upstream's config and F821), each
 problem named by its patch; ``export`` writes ``rebased/patches`` next to
-the release's ``pin.toml`` and a copy of the overlay, and ``ci/overlay
-adopt VERSION`` (adopt.py) checks again and puts them in place. Nothing is
+the release's ``pin.toml`` and a copy of the overlay; ``ci/overlay
+rebase-test VERSION`` (gate.py) builds that with the release's wheel and
+runs the overlay's tests on it, and ``ci/overlay adopt VERSION`` (adopt.py)
+checks again, requires those tests' pass, and puts them in place. Nothing is
 ever deleted there: a second ``--write`` refuses while earlier work would
 be lost.
 """
@@ -486,7 +488,8 @@ def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
         )
     return (
         f"rebased series checked (compiles, ruff clean); next: `{layout.command} "
-        f"export --dir {ws}`, then `{layout.command} adopt {version}`"
+        f"export --dir {ws}`, then the overlay's tests on it: `{layout.command} "
+        f"rebase-test {version}`, then `{layout.command} adopt {version}`"
     )
 
 
@@ -555,7 +558,9 @@ def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) ->
         print(
             f"{version}: {rebased / 'pin.toml'} takes both torch pins from the "
             "release's requirement files (the build checks the wheel's own "
-            f"Requires-Dist); once exported, adopt it: `{command} adopt {version}`",
+            f"Requires-Dist); once exported, test it with the release's wheel: "
+            f"`{command} rebase-test {version}`, then adopt it: `{command} adopt "
+            f"{version}`",
             file=sys.stderr,
         )
     return 0

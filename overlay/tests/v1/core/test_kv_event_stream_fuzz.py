@@ -216,6 +216,27 @@ class Coverage:
     max_copies: int = 0
 
 
+# How many times STEPS a run may take to reach the edges it is about.
+EXTRA_STEPS_BOUND = 4
+
+
+def missing_edges(config: str, report_full: bool, cov: Coverage) -> list[str]:
+    """The edges a run of ``config`` is about that ``cov`` did not reach."""
+    edges = {
+        "preemption": cov.preemptions > 0,
+        "abort": cov.aborts > 0,
+        # requests asking for the full report exactly when the case says so
+        "report_full": cov.report_full > 0 if report_full else cov.report_full == 0,
+        "reset ok": sum(n for k, n in cov.resets.items() if k.endswith(" ok")) > 0,
+        "two copies of a key": cov.max_copies > 1,
+    }
+    if config == "cpu_offload_late_stores":
+        edges["reset_connector ok"] = cov.resets["reset_connector ok"] > 0
+        edges["late store"] = cov.late_stores > 0
+        edges["load"] = cov.loads > 0
+    return [edge for edge, reached in edges.items() if not reached]
+
+
 class Run:
     def __init__(
         self, model_dir: str, config: str, policy: str, seed: int, report_full: bool
@@ -401,16 +422,28 @@ class Run:
         )
 
     def run(self, steps: int) -> Coverage:
+        """``steps`` steps, then more, up to ``EXTRA_STEPS_BOUND`` times as
+        many, while an edge the run is about was not reached: the random
+        path of a seed depends on the release's scheduler (on 0.32.0, seed 1
+        of the late-store config tries no connector reset that can succeed
+        in 160 steps), and the edges, not the step count, are the point."""
         for _ in range(steps):
-            if self.rng.random() < 0.6:
-                self.add_request()
-            if self.rng.random() < 0.05:
-                self.abort()
-            if self.rng.random() < 0.06:
-                self.reset()
-            self.step()
-            self.check()
+            self.one_step()
+        while missing_edges(self.config, bool(self.report_full), self.cov) and (
+            self.cov.steps < steps * EXTRA_STEPS_BOUND
+        ):
+            self.one_step()
         return self.cov
+
+    def one_step(self) -> None:
+        if self.rng.random() < 0.6:
+            self.add_request()
+        if self.rng.random() < 0.05:
+            self.abort()
+        if self.rng.random() < 0.06:
+            self.reset()
+        self.step()
+        self.check()
 
 
 # Requests asking for kv_cache_report_mode="full" are one edge; runs without
@@ -441,10 +474,4 @@ def test_event_stream_mirrors_match_every_pool(
     cov = Run(model_dir, config, policy, seed, report_full).run(STEPS)
     print(f"{config} {policy} seed={seed} report_full={report_full}: {cov}")
     # The run must have reached the edges it is about.
-    assert cov.preemptions > 0 and cov.aborts > 0
-    assert cov.report_full > 0 if report_full else cov.report_full == 0
-    assert sum(n for k, n in cov.resets.items() if k.endswith(" ok")) > 0
-    assert cov.max_copies > 1
-    if config == "cpu_offload_late_stores":
-        assert cov.resets["reset_connector ok"] > 0
-        assert cov.late_stores > 0 and cov.loads > 0
+    assert not missing_edges(config, report_full, cov), cov
