@@ -483,7 +483,7 @@ HAS_LOOKAHEAD = "num_hash_lookahead_tokens" in inspect.signature(BlockPool).para
 def test_logical_store_runs_keep_lookahead_tokens_aligned():
     # the pool and the event grew the lookahead together: a release with one
     # side only would make this test check less than it says
-    assert HAS_LOOKAHEAD == ("lookahead_token_ids" in BlockStored.__struct_fields__)
+    assert ("lookahead_token_ids" in BlockStored.__struct_fields__) == HAS_LOOKAHEAD
     lookahead = {"num_hash_lookahead_tokens": 2} if HAS_LOOKAHEAD else {}
     pool = BlockPool(
         num_gpu_blocks=10,
