@@ -8,6 +8,7 @@ order they were stored in, with the metadata they were announced with."""
 
 import json
 import socket
+import threading
 import time
 
 import msgspec
@@ -181,6 +182,39 @@ def test_an_engine_restart_is_told_from_a_gap():
             second.shutdown()
     finally:
         follower.close()
+
+
+def test_a_request_lost_with_its_connection_is_sent_again():
+    # What a restart on the same ports can do to a request in flight: the
+    # publisher never answers it. The follower asks again on a fresh socket.
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    follower = Follower(
+        f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{port}", timeout_s=0.5
+    )
+    status = {"op": "status"}
+    try:
+        unanswered = []
+
+        def answer_the_second_request() -> None:
+            while len(unanswered) < 1:
+                assert router.poll(5000)
+                unanswered.append(router.recv_multipart())
+            assert router.poll(5000)
+            identity, _, request = router.recv_multipart()
+            assert msgspec.msgpack.decode(request) == status
+            end = msgspec.msgpack.encode({})
+            router.send_multipart([identity, b"", b"", ZmqEventPublisher.END_SEQ, end])
+
+        helper = threading.Thread(target=answer_the_second_request)
+        helper.start()
+        reply = follower.request(msgspec.msgpack.encode(status))
+        helper.join()
+        assert reply.end == {} and reply.batches == []
+        assert len(unanswered) == 1
+    finally:
+        follower.close()
+        router.close(linger=0)
 
 
 @pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])

@@ -240,6 +240,8 @@ class Follower:
     # Live batches kept while recovering; beyond this the oldest go (the
     # recovery then covers them by replay or snapshot).
     MAX_PENDING = 100_000
+    # Times an unanswered replay-socket request is sent again (``request``).
+    REQUEST_RETRIES = 2
 
     def __init__(
         self,
@@ -286,6 +288,24 @@ class Follower:
     # -- the replay socket --------------------------------------------------
 
     def request(self, request: bytes) -> Reply:
+        """Send ``request`` on the replay socket and read its whole answer.
+
+        A request sent as the publisher restarts on the same ports can go
+        down with the old connection. Every request is a read, so one left
+        unanswered for ``timeout_s`` is sent again on a fresh socket, up to
+        ``REQUEST_RETRIES`` times (ZMQ's "lazy pirate" client), before
+        ``NoReply``.
+        """
+        for _ in range(self.REQUEST_RETRIES + 1):
+            reply = self._request_once(request)
+            if reply is not None:
+                return reply
+        raise NoReply(
+            f"no answer from {self._replay_endpoint} in "
+            f"{self.REQUEST_RETRIES + 1} tries of {self._timeout_ms} ms"
+        )
+
+    def _request_once(self, request: bytes) -> Reply | None:
         self._req.send_multipart((b"", request))
         batches: list[tuple[int, bytes]] = []
         while True:
@@ -293,7 +313,7 @@ class Follower:
                 # A late answer must not be read as the next one's.
                 self._req.close(linger=0)
                 self._req = self._dealer()
-                raise NoReply(f"no answer from {self._replay_endpoint}")
+                return None
             _, _, seq_bytes, payload = self._req.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq == END_SEQ:
