@@ -522,3 +522,24 @@ def test_adopt_needs_the_overlay_tests_to_have_passed(
     assert "the overlay's tests have not run" in refused.value.what
     assert f"`{command} rebase-test {VERSION}`" in refused.value.next_step
     assert _files(project) == before
+
+
+def test_gate_failures_name_only_the_tests_that_did_not_pass() -> None:
+    """A ``check`` report lists a failure once as new and once as expected,
+    and the passing tests without an outcome; parametrized ids have "[" too."""
+    report = "\n".join(
+        [
+            "NEW TEST NOT PASSING (1):",
+            "  tests/t.py::test_a[x]  [failed] AttributeError: no attribute",
+            "EXPECTED NEW TEST DID NOT PASS (missing, not collected, skipped "
+            "or failed) (1):",
+            "  tests/t.py::test_a[x]  [failed] AttributeError: no attribute",
+            "new tests passing (2):",
+            "  tests/t.py::test_a[y]",
+            "  tests/t.py::test_b",
+            "FAILED",
+        ]
+    )
+    assert gate.failures(report) == (
+        "  tests/t.py::test_a[x]  [failed] AttributeError: no attribute"
+    )

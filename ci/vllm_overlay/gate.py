@@ -109,6 +109,20 @@ def test_selection(checkout: Layout) -> tuple[Path, list[str]]:
     )
 
 
+def failures(report: str) -> str:
+    """The lines of a ``check`` report that name a test that did not pass,
+    each once (a test is listed as new and again as expected): those with an
+    outcome, "  NODE_ID  [failed] message". A parametrized node id has a
+    "[" of its own, and the tests that passed are listed without one."""
+    return "\n".join(
+        dict.fromkeys(
+            line
+            for line in report.splitlines()
+            if line.startswith("  ") and "  [" in line[2:]
+        )
+    )
+
+
 def rebase_test(layout: Layout, version: str, only: list[str] | None = None) -> str:
     """Build the rebase of ``version`` as adopt would leave the checkout, run
     the overlay's tests on it (``only``: these of its test files, a run that
@@ -224,16 +238,9 @@ def rebase_test(layout: Layout, version: str, only: list[str] | None = None) -> 
             f"read {log}, fix the cause, then `{layout.command} rebase-test {version}`",
         )
     if not passed:
-        failed = "\n".join(
-            dict.fromkeys(  # a test is listed once as new, once as expected
-                line
-                for line in check.stdout.splitlines()
-                if line.startswith("  ") and "[" in line
-            )
-        )
         raise OverlayError(
             f"the overlay's tests fail on the rebase of {version} ({summary}):\n"
-            f"{failed}",
+            f"{failures(check.stdout)}",
             f"fix the series in {work / 'workspace'}, `{layout.command} export "
             f"--dir {work / 'workspace'}`, then `{layout.command} rebase-test "
             f"{version}` (log: {log})",
