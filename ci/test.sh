@@ -11,7 +11,7 @@ for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); 
 
 # Everything the run needs, before 40 minutes of build and tests: quilt runs
 # in the tests (the series must be quilt's), shellcheck in the lint step;
-# build.sh checks the rest again. A cold run peaked at 38 GB on the disk,
+# build.sh checks the rest again. A cold run peaked at 32 GB on the disk,
 # about 20 GB of it the venvs and downloads it leaves in .cache/
 # (docs/testing.md): short of that it would stop halfway, with every later
 # test failing on "No space left on device".
