@@ -28,6 +28,7 @@ prerequisites() {
     echo "error: $((free_kib / 1024 / 1024)) GiB free on $(df -P . | awk 'NR == 2 {print $6}'), $(basename "$0") needs $need_gib GiB" >&2
     echo "  next: rm -rf build/tree build/pristine build/wheel build/targets/*/tree" >&2
     echo "  (scratch trees only; build/workspace may hold unexported patches, .cache/ the downloads and venvs)" >&2
+    echo "  if that frees too little, free the rest outside this checkout (another clone's .cache/ and build/)" >&2
     return 1
   fi
 }

@@ -192,27 +192,27 @@ def test_a_request_lost_with_its_connection_is_sent_again():
     follower = Follower(
         f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{port}", timeout_s=0.5
     )
-    status = {"op": "status"}
-    try:
-        unanswered = []
+    status = msgspec.msgpack.encode({"op": "status"})
+    received = []
 
-        def answer_the_second_request() -> None:
-            while len(unanswered) < 1:
-                assert router.poll(5000)
-                unanswered.append(router.recv_multipart())
+    def answer_the_second_request() -> None:
+        for _ in range(2):
             assert router.poll(5000)
-            identity, _, request = router.recv_multipart()
-            assert msgspec.msgpack.decode(request) == status
-            end = msgspec.msgpack.encode({})
-            router.send_multipart([identity, b"", b"", ZmqEventPublisher.END_SEQ, end])
+            received.append(router.recv_multipart())
+        identity = received[-1][0]
+        end = msgspec.msgpack.encode({})
+        router.send_multipart([identity, b"", b"", ZmqEventPublisher.END_SEQ, end])
 
-        helper = threading.Thread(target=answer_the_second_request)
-        helper.start()
-        reply = follower.request(msgspec.msgpack.encode(status))
-        helper.join()
+    helper = threading.Thread(target=answer_the_second_request)
+    helper.start()
+    try:
+        reply = follower.request(status)
         assert reply.end == {} and reply.batches == []
-        assert len(unanswered) == 1
+        # the same request twice, from two sockets (identities)
+        assert [frames[1:] for frames in received] == [[b"", status]] * 2
+        assert received[0][0] != received[1][0]
     finally:
+        helper.join()
         follower.close()
         router.close(linger=0)
 
