@@ -37,9 +37,9 @@ Last-Update: 2026-12-01
 
 
 # The change the backport carries: a comment of 0002's in block_pool.py.
-_RUN_COMMENT = "# A run of null or masked-out blocks only."
+_RUN_COMMENT = "# Not for a run of null or masked-out blocks only."
 _RUN_COMMENT_NOW = (
-    "# A run of null or masked-out blocks only (the walkthrough's change)."
+    "# Not for a run of null or masked-out blocks only (the walkthrough's change)."
 )
 
 GUIDE = REPO.root / "docs" / "maintainers.md"

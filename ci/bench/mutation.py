@@ -69,8 +69,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "run-split-off-by-one",
         "the next BlockStored run starts at the already resident block",
         BLOCK_POOL,
-        "                run_start = num_cached_blocks + i + 1\n",
-        "                run_start = num_cached_blocks + i\n",
+        "            start_block = end_block + 1\n",
+        "            start_block = end_block\n",
     ),
     Mutant(
         "reset-all-blocks-cleared",
@@ -117,8 +117,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "sliding-window-mask-ignored",
         "BlockStored lists blocks the sliding-window mask leaves out",
         BLOCK_POOL,
-        "                if block_mask is not None and not block_mask["
-        "i - num_cached_blocks]:\n                    continue\n",
+        "            if block_mask is not None and not block_mask["
+        "i - num_cached_blocks]:\n                continue\n",
         "",
     ),
     Mutant(
@@ -152,7 +152,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a free copy that a reuse watcher still reads (HiSparse's unpinned "
         "page) goes to the front of the free queue like any surplus copy",
         BLOCK_POOL,
-        "            or block.block_id in self._reuse_watchers\n",
+        "            and previous.block_id not in self._reuse_watchers\n",
         "",
     ),
     Mutant(
