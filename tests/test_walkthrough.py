@@ -38,9 +38,8 @@ Last-Update: 2026-12-01
 
 # The change the backport carries: a comment of 0002's in block_pool.py.
 _RUN_COMMENT = "# Not for a run of null or masked-out blocks only."
-_RUN_COMMENT_NOW = (
-    "# Not for a run of null or masked-out blocks only (the walkthrough's change)."
-)
+# Fits upstream's 88 columns at the comment's indentation (16 spaces).
+_RUN_COMMENT_NOW = "# Not for a run of null or masked-out blocks (the walkthrough's)."
 
 GUIDE = REPO.root / "docs" / "maintainers.md"
 
