@@ -4,7 +4,32 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '==> %s\n' "$*" >&2; }
+# When the run began: .ci/run's start, so the report counts its apt step.
+started=${OVERLAY_CI_STARTED:-$(date +%s)}
+cold=yes
+[[ -d .cache ]] && cold=no
+# Each step's start, lane and name, for build/ci-run.json (docs/testing.md,
+# "How long a run takes"); the background lane sets lane itself.
+steps=build/ci-run-steps.tsv
+junit=build/ci-run-project-tests.xml
+lane=main
+mark() { printf '%s\t%s\t%s\n' "$(date +%s)" "$lane" "$*" >>"$steps"; }
+step() {
+  printf '==> %s\n' "$*" >&2
+  mark "$@"
+}
+background=""
+# On any exit once the checks passed, a failed one too: end the main lane
+# and write the report.
+finish() {
+  local status=$?
+  mark end
+  PYTHONPATH=ci python3 -m overlay_harness.ci_run record --steps "$steps" \
+    --junit "$junit" --started "$started" --cold "$cold" --status "$status" \
+    --out build/ci-run.json >/dev/null ||
+    echo "warning: no build/ci-run.json; the run's outcome is unchanged" >&2
+  [[ -z $background ]] || rm -rf "$background"
+}
 # Every target: the main pin, then each targets/NAME/pin.toml (docs/build.md, "Targets").
 targets=()
 for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); done
@@ -16,9 +41,13 @@ for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); 
 # (docs/testing.md): short of that it would stop halfway, with every later
 # test failing on "No space left on device".
 need_gib=40
-[[ -d .cache ]] && need_gib=20
+[[ $cold == no ]] && need_gib=20
 . ci/prerequisites.sh
 prerequisites "$need_gib" quilt patch git shellcheck
+mkdir -p build
+: >"$steps"
+rm -f "$junit" build/ci-run.json
+trap finish EXIT
 
 step "build"
 ./build.sh
@@ -44,11 +73,11 @@ done
 # the project tests, whose servers, builds and downloads leave a core idle
 # for much of their half hour; their log is printed once both are done.
 background=$(mktemp -d)
-trap 'rm -rf "$background"' EXIT
 step "in the background: upstream tests and the overlay's new tests, then the benchmark smoke"
 mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
 (
   set -e
+  lane=background
   step "upstream tests and the overlay's new tests, vs the unpatched baseline"
   PYTHONPATH=ci "$python" -m overlay_harness.upstream_tests check -q \
     --tree build/tree --python "$python" --baseline ci/upstream-baseline.json \
@@ -58,11 +87,12 @@ mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
   "$python" ci/bench/run_all.py --quick --patched-tree build/tree \
     --unpatched-tree "$(ci/overlay pristine-tree)" --python "$python" \
     --out "$background/smoke" >/dev/null
+  mark end
 ) >"$background/log" 2>&1 &
 upstream_step=$!
 step "project tests"
 project_status=0
-"$python" -m pytest tests || project_status=$?
+"$python" -m pytest tests --junitxml "$junit" || project_status=$?
 upstream_status=0
 wait "$upstream_step" || upstream_status=$?
 step "the background steps' log"

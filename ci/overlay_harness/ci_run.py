@@ -1,0 +1,186 @@
+"""How long a ``ci/test.sh`` run took, step by step: the report behind the
+CI time that README.md and docs/testing.md state.
+
+``ci/test.sh`` appends one line per step to a steps file (the step's start
+in seconds since the epoch, its lane, its name) and ends each lane with a
+step named ``end``; pytest writes its JUnit XML. ``record`` turns both into
+``build/ci-run.json``. A cold fresh-clone run's report, copied to
+``docs/cold-ci-run.json``, is what the docs quote: ``headline`` is the
+README's sentence and ``breakdown`` the table in docs/testing.md, both
+checked by ``tests/test_docs.py``. No test asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+# .ci/run's limit for a cold run (the brief CI runs under).
+BUDGET_MIN = 45
+# How many of the slowest test modules the report keeps.
+SLOWEST_MODULES = 5
+END = "end"
+
+
+class ReportError(Exception):
+    """A steps file or JUnit file that cannot be read as ``ci/test.sh``
+    writes it."""
+
+
+Row = tuple[float, str, str]
+
+
+def read_rows(path: Path) -> list[Row]:
+    """The steps file's lines: (epoch seconds, lane, step)."""
+    rows: list[Row] = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        fields = line.split("\t")
+        if len(fields) != 3:
+            raise ReportError(
+                f"{path}:{n}: {line!r} is not 'SECONDS<TAB>LANE<TAB>STEP'"
+            )
+        try:
+            at = float(fields[0])
+        except ValueError:
+            raise ReportError(f"{path}:{n}: {fields[0]!r} is not a time") from None
+        rows.append((at, fields[1], fields[2]))
+    if not rows:
+        raise ReportError(f"{path} names no step: was it written by ci/test.sh?")
+    return rows
+
+
+def timed_steps(rows: list[Row], started: float) -> list[dict[str, Any]]:
+    """Each step with its lane, its start and its duration in seconds,
+    counted from ``started`` (the epoch second the run began). A step lasts
+    until the next step of its lane; the last one of a lane that has no
+    ``end`` (a lane stopped by an error) lasts until the last line."""
+    last = max(at for at, _, _ in rows)
+    steps = []
+    for i, (at, lane, name) in enumerate(rows):
+        if name == END:
+            continue
+        later = [a for a, ln, _ in rows[i + 1 :] if ln == lane]
+        steps.append(
+            {
+                "lane": lane,
+                "step": name,
+                "start_s": round(at - started, 1),
+                "duration_s": round((later[0] if later else last) - at, 1),
+            }
+        )
+    return steps
+
+
+def slowest_modules(junit: Path) -> list[dict[str, Any]]:
+    """The test modules that took longest, with their summed test times."""
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError) as e:
+        raise ReportError(f"{junit}: not a JUnit XML file pytest wrote ({e})") from e
+    per_module: dict[str, float] = defaultdict(float)
+    for case in root.iter("testcase"):
+        # "tests.test_docs" or "tests.test_docs.TestClass": the module is
+        # the path up to the first test_ part.
+        parts = case.get("classname", "").split(".")
+        cut = next((i for i, p in enumerate(parts) if p.startswith("test_")), -1)
+        module = "/".join(parts[: cut + 1]) + ".py"
+        per_module[module] += float(case.get("time", "0"))
+    ranked = sorted(per_module.items(), key=lambda kv: -kv[1])
+    return [
+        {"module": m, "duration_s": round(s, 1)} for m, s in ranked[:SLOWEST_MODULES]
+    ]
+
+
+def record(
+    steps: Path, junit: Path | None, started: float, cold: bool, status: int
+) -> dict[str, Any]:
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    rows = read_rows(steps)
+    return {
+        "commit": commit or "unknown",
+        "date": datetime.fromtimestamp(started, UTC).date().isoformat(),
+        "cores": os.cpu_count(),
+        "cold": cold,
+        "passed": status == 0,
+        "total_s": round(max(at for at, _, _ in rows) - started, 1),
+        "steps": timed_steps(rows, started),
+        "slowest_test_modules": (
+            slowest_modules(junit) if junit and junit.exists() else []
+        ),
+    }
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f}"
+
+
+def headline(report: dict[str, Any]) -> str:
+    """The README's sentence: how long a cold fresh-clone run took."""
+    total = report["total_s"] / 60
+    within = "within" if total <= BUDGET_MIN else "over"
+    return (
+        f"A cold fresh-clone `.ci/run` of {report['commit'][:10]} took "
+        f"{minutes(report['total_s'])} minutes end to end on a "
+        f"{report['cores']}-core machine ({report['date']}), {within} the "
+        f"{BUDGET_MIN}-minute budget."
+    )
+
+
+def breakdown(report: dict[str, Any]) -> str:
+    """The table in docs/testing.md: each step, then the slowest modules."""
+    lines = ["| lane | step | starts at (min) | takes (min) |", "|---|---|---|---|"]
+    lines += [
+        f"| {s['lane']} | {s['step']} | {minutes(s['start_s'])} | "
+        f"{minutes(s['duration_s'])} |"
+        for s in report["steps"]
+    ]
+    lines += [
+        f"| project tests | `{m['module']}` |  | {minutes(m['duration_s'])} |"
+        for m in report["slowest_test_modules"]
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="write the report of a ci/test.sh run")
+    rec.add_argument("--steps", type=Path, required=True)
+    rec.add_argument("--junit", type=Path)
+    rec.add_argument("--started", type=float, required=True)
+    rec.add_argument("--cold", choices=("yes", "no"), required=True)
+    rec.add_argument("--status", type=int, required=True)
+    rec.add_argument("--out", type=Path, required=True)
+    show = sub.add_parser("show", help="print the docs' sentence and table")
+    show.add_argument("report", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "record":
+            report = record(
+                args.steps, args.junit, args.started, args.cold == "yes", args.status
+            )
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
+            tmp.replace(args.out)
+        else:
+            report = json.loads(args.report.read_text())
+        print(headline(report))
+        print(breakdown(report))
+    except (OSError, ValueError, KeyError, ReportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The CI-time report (``overlay_harness.ci_run``): steps as ``ci/test.sh``
+writes them, and the JUnit XML of a real pytest run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from overlay_harness import ci_run
+
+STARTED = 1_000_000.0
+
+
+def _steps(tmp_path: Path, *lines: tuple[float, str, str]) -> Path:
+    path = tmp_path / "steps.tsv"
+    path.write_text(
+        "".join(f"{STARTED + t:.0f}\t{lane}\t{s}\n" for t, lane, s in lines)
+    )
+    return path
+
+
+def test_a_step_lasts_until_the_next_of_its_lane(tmp_path: Path) -> None:
+    rows = ci_run.read_rows(
+        _steps(
+            tmp_path,
+            (60, "main", "build"),
+            (300, "main", "project tests"),
+            (310, "background", "upstream tests"),
+            (1000, "background", "smoke"),
+            (1200, "background", "end"),
+            (2000, "main", "log"),
+            (2001, "main", "end"),
+        )
+    )
+    steps = ci_run.timed_steps(rows, STARTED)
+    assert [(s["lane"], s["step"], s["start_s"], s["duration_s"]) for s in steps] == [
+        ("main", "build", 60, 240),
+        ("main", "project tests", 300, 1700),
+        ("background", "upstream tests", 310, 690),
+        ("background", "smoke", 1000, 200),
+        ("main", "log", 2000, 1),
+    ]
+
+
+def test_a_lane_cut_short_lasts_until_the_last_line(tmp_path: Path) -> None:
+    """A background lane stopped by an error writes no ``end``."""
+    rows = ci_run.read_rows(
+        _steps(
+            tmp_path,
+            (0, "main", "project tests"),
+            (5, "background", "upstream tests"),
+            (90, "main", "end"),
+        )
+    )
+    assert ci_run.timed_steps(rows, STARTED)[1]["duration_s"] == 85
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("", "names no step"),
+        ("12\tmain\n", ":1: '12\\tmain' is not 'SECONDS<TAB>LANE<TAB>STEP'"),
+        ("10\tmain\tbuild\nsoon\tmain\tend\n", ":2: 'soon' is not a time"),
+    ],
+)
+def test_a_bad_steps_file_names_file_and_line(
+    tmp_path: Path, text: str, error: str
+) -> None:
+    path = tmp_path / "steps.tsv"
+    path.write_text(text)
+    with pytest.raises(ci_run.ReportError, match=str(path)) as e:
+        ci_run.read_rows(path)
+    assert error in str(e.value)
+
+
+def test_record_ranks_the_modules_of_a_real_pytest_run(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_slow.py").write_text(
+        textwrap.dedent(
+            """
+            import time
+
+            def test_one():
+                time.sleep(0.3)
+
+            def test_two():
+                time.sleep(0.3)
+            """
+        )
+    )
+    (tests / "test_quick.py").write_text("def test_quick():\n    pass\n")
+    junit = tmp_path / "junit.xml"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tests),
+            "--junitxml",
+            str(junit),
+            "--rootdir",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    steps = _steps(tmp_path, (3, "main", "project tests"), (40, "main", "end"))
+    out = tmp_path / "ci-run.json"
+    assert (
+        ci_run.main(
+            [
+                "record",
+                "--steps",
+                str(steps),
+                "--junit",
+                str(junit),
+                "--started",
+                str(STARTED),
+                "--cold",
+                "yes",
+                "--status",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    assert report["total_s"] == 40
+    assert report["cold"] and report["passed"]
+    modules = report["slowest_test_modules"]
+    assert [m["module"] for m in modules] == [
+        "tests/test_slow.py",
+        "tests/test_quick.py",
+    ]
+    assert modules[0]["duration_s"] >= 0.6
+    assert "took 0.7 minutes" in ci_run.headline(report)
+    assert "within the 45-minute budget" in ci_run.headline(report)
+
+
+def test_record_of_a_bad_steps_file_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    steps = tmp_path / "steps.tsv"
+    steps.write_text("later\tmain\tbuild\n")
+    out = tmp_path / "ci-run.json"
+    args = ["record", "--steps", str(steps), "--started", "0", "--cold", "no"]
+    assert ci_run.main([*args, "--status", "1", "--out", str(out)]) == 1
+    assert "is not a time" in capsys.readouterr().err
+    assert not out.exists() and not out.with_suffix(".tmp").exists()
