@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
-from overlay_harness import seed_scenario
+from overlay_harness import ci_run, seed_scenario
 
 ROOT = REPO.root
 BENCH_DOCS = ROOT / "docs" / "benchmarks"
@@ -124,6 +124,20 @@ def test_rebase_duration_is_the_rebase_report() -> None:
     report = json.loads((BENCH_DOCS / "rebase.json").read_text())
     assert len(report["runs"]) >= 3, "a median needs at least 3 runs"
     quoted(re.escape(flat(bench_rebase.rebase_sentence(report))))
+
+
+def test_ci_time_is_the_cold_run_report() -> None:
+    """How long CI takes, stated once (README) with its table of steps
+    (docs/testing.md): ``ci_run.headline`` and ``ci_run.breakdown`` of
+    docs/cold-ci-run.json, the build/ci-run.json of a passing cold
+    fresh-clone ``.ci/run``."""
+    report = json.loads((ROOT / "docs" / "cold-ci-run.json").read_text())
+    assert report["cold"] and report["passed"], (
+        "docs/cold-ci-run.json must be a passing cold run's report: copy "
+        "build/ci-run.json from a fresh clone's passing `bash .ci/run`"
+    )
+    quoted(re.escape(flat(ci_run.headline(report))))
+    quoted(re.escape(flat(ci_run.breakdown(report))))
 
 
 def test_seed_scenario_table_is_the_harness_table() -> None:
