@@ -18,14 +18,22 @@ step() {
   printf '==> %s\n' "$*" >&2
   mark "$@"
 }
+# The disk in use on the checkout's file system, sampled every 20 s, and
+# what .cache/ holds at the end: how much free disk a run needs.
+disk=build/ci-run-disk.tsv
+sample_disk() { printf '%s\t%s\n' "$(date +%s)" "$(df -Pk . | awk 'NR == 2 {print $3}')" >>"$disk"; }
 background=""
+disk_sampler=""
 # On any exit once the checks passed, a failed one too: end the main lane
 # and write the report.
 finish() {
   local status=$?
   mark end
+  [[ -z $disk_sampler ]] || kill "$disk_sampler" 2>/dev/null || true
+  sample_disk
   PYTHONPATH=ci python3 -m overlay_harness.ci_run record --steps "$steps" \
-    --junit "$junit" --started "$started" --cold "$cold" --status "$status" \
+    --junit "$junit" --disk "$disk" --cache .cache \
+    --started "$started" --cold "$cold" --status "$status" \
     --out build/ci-run.json >/dev/null ||
     echo "warning: no build/ci-run.json; the run's outcome is unchanged" >&2
   [[ -z $background ]] || rm -rf "$background"
@@ -36,10 +44,10 @@ for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); 
 
 # Everything the run needs, before 40 minutes of build and tests: quilt runs
 # in the tests (the series must be quilt's), shellcheck in the lint step;
-# build.sh checks the rest again. A cold run peaked at 32 GB on the disk,
-# about 20 GB of it the venvs and downloads it leaves in .cache/
-# (docs/testing.md): short of that it would stop halfway, with every later
-# test failing on "No space left on device".
+# build.sh checks the rest again. The free disk a cold run needs, and what
+# it leaves in .cache/, are measured in docs/testing.md: short of that it
+# would stop halfway, with every later test failing on "No space left on
+# device".
 need_gib=40
 [[ $cold == no ]] && need_gib=20
 . ci/prerequisites.sh
@@ -47,7 +55,14 @@ prerequisites "$need_gib" quilt patch git shellcheck
 mkdir -p build
 : >"$steps"
 rm -f "$junit" build/ci-run.json
+: >"$disk"
 trap finish EXIT
+# Stops with this script, also when it is killed before finish can run.
+(while kill -0 $$ 2>/dev/null; do
+  sample_disk
+  sleep 20
+done) >/dev/null 2>&1 &
+disk_sampler=$!
 
 step "build"
 ./build.sh

@@ -115,27 +115,17 @@ def test_record_ranks_the_modules_of_a_real_pytest_run(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     steps = _steps(tmp_path, (3, "main", "project tests"), (40, "main", "end"))
+    disk = tmp_path / "disk.tsv"
+    gib = 2**20  # KiB
+    disk.write_text(f"1\t{10 * gib}\n2\t{13 * gib}\n3\t{12 * gib}\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "wheel").write_bytes(b"\1" * 2**20)
+    (cache / "same-wheel").hardlink_to(cache / "wheel")
     out = tmp_path / "ci-run.json"
-    assert (
-        ci_run.main(
-            [
-                "record",
-                "--steps",
-                str(steps),
-                "--junit",
-                str(junit),
-                "--started",
-                str(STARTED),
-                "--cold",
-                "yes",
-                "--status",
-                "0",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    args = ["--steps", str(steps), "--junit", str(junit), "--disk", str(disk)]
+    args += ["--cache", str(cache), "--started", str(STARTED), "--cold", "yes"]
+    assert ci_run.main(["record", *args, "--status", "0", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["total_s"] == 40
     assert report["cold"] and report["passed"]
@@ -147,6 +137,31 @@ def test_record_ranks_the_modules_of_a_real_pytest_run(tmp_path: Path) -> None:
     assert modules[0]["duration_s"] >= 0.6
     assert "took 0.7 minutes" in ci_run.headline(report)
     assert "within the 45-minute budget" in ci_run.headline(report)
+    assert report["disk"] == {
+        "samples": 3,
+        "used_at_start_gib": 10.0,
+        "peak_growth_gib": 3.0,
+        "cache_gib": 0.0,  # 1 MiB, the hard link counted once
+    }
+    assert "up to 3.0 GiB of disk beyond the 10.0 GiB" in ci_run.disk_use(report)
+
+
+def test_the_cache_is_measured_as_du_measures_it(tmp_path: Path) -> None:
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / "torch.so").write_bytes(b"\1" * 2**29)
+    (tmp_path / "torch-again.so").hardlink_to(tmp_path / "venv" / "torch.so")
+    (tmp_path / "link").symlink_to(tmp_path / "venv")
+    assert ci_run.tree_gib(tmp_path) == 0.5
+
+
+def test_a_bad_disk_file_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "disk.tsv"
+    path.write_text("1\t100\n2\t\n")
+    with pytest.raises(ci_run.ReportError, match="disk.tsv:2: '2\\\\t' is not"):
+        ci_run.read_disk(path)
+    path.write_text("")
+    with pytest.raises(ci_run.ReportError, match="holds no sample"):
+        ci_run.read_disk(path)
 
 
 def test_record_of_a_bad_steps_file_writes_nothing(
@@ -155,7 +170,8 @@ def test_record_of_a_bad_steps_file_writes_nothing(
     steps = tmp_path / "steps.tsv"
     steps.write_text("later\tmain\tbuild\n")
     out = tmp_path / "ci-run.json"
-    args = ["record", "--steps", str(steps), "--started", "0", "--cold", "no"]
+    args = ["record", "--steps", str(steps), "--disk", str(tmp_path / "disk.tsv")]
+    args += ["--cache", str(tmp_path), "--started", "0", "--cold", "no"]
     assert ci_run.main([*args, "--status", "1", "--out", str(out)]) == 1
     assert "is not a time" in capsys.readouterr().err
     assert not out.exists() and not out.with_suffix(".tmp").exists()

@@ -3,11 +3,13 @@ CI time that README.md and docs/testing.md state.
 
 ``ci/test.sh`` appends one line per step to a steps file (the step's start
 in seconds since the epoch, its lane, its name) and ends each lane with a
-step named ``end``; pytest writes its JUnit XML. ``record`` turns both into
-``build/ci-run.json``. A cold fresh-clone run's report, copied to
-``docs/cold-ci-run.json``, is what the docs quote: ``headline`` is the
-README's sentence and ``breakdown`` the table in docs/testing.md, both
-checked by ``tests/test_docs.py``. No test asserts a time.
+step named ``end``; it samples the disk in use every 20 s into a disk file
+(seconds, KiB used); pytest writes its JUnit XML. ``record`` turns them,
+and the size of ``.cache/`` at the end, into ``build/ci-run.json``. A cold
+fresh-clone run's report, copied to ``docs/cold-ci-run.json``, is what the
+docs quote: ``headline`` is the README's sentence, ``breakdown`` the table
+and ``disk_use`` the disk sentence in docs/testing.md, all checked by
+``tests/test_docs.py``. No test asserts a time.
 """
 
 from __future__ import annotations
@@ -99,8 +101,46 @@ def slowest_modules(junit: Path) -> list[dict[str, Any]]:
     ]
 
 
+def read_disk(path: Path) -> dict[str, Any]:
+    """The disk file's samples: KiB in use at the start, and the most
+    beyond that."""
+    used = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        fields = line.split("\t")
+        if len(fields) != 2 or not fields[1].isdigit():
+            raise ReportError(f"{path}:{n}: {line!r} is not 'SECONDS<TAB>KIB_USED'")
+        used.append(int(fields[1]))
+    if not used:
+        raise ReportError(f"{path} holds no sample: was it written by ci/test.sh?")
+    return {
+        "samples": len(used),
+        "used_at_start_gib": round(used[0] / 2**20, 1),
+        "peak_growth_gib": round((max(used) - used[0]) / 2**20, 1),
+    }
+
+
+def tree_gib(root: Path) -> float:
+    """What ``root`` takes on the disk (as ``du``: allocated blocks, links
+    not followed, each hard-linked file once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            st = os.lstat(os.path.join(folder, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return round(total / 2**30, 1)
+
+
 def record(
-    steps: Path, junit: Path | None, started: float, cold: bool, status: int
+    steps: Path,
+    junit: Path | None,
+    disk: Path,
+    cache: Path,
+    started: float,
+    cold: bool,
+    status: int,
 ) -> dict[str, Any]:
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
@@ -117,6 +157,7 @@ def record(
         "slowest_test_modules": (
             slowest_modules(junit) if junit and junit.exists() else []
         ),
+        "disk": {**read_disk(disk), "cache_gib": tree_gib(cache)},
     }
 
 
@@ -151,12 +192,25 @@ def breakdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def disk_use(report: dict[str, Any]) -> str:
+    """The disk sentence in docs/testing.md."""
+    disk = report["disk"]
+    return (
+        f"It used up to {disk['peak_growth_gib']} GiB of disk beyond the "
+        f"{disk['used_at_start_gib']} GiB in use at its start (df every 20 s, "
+        f"{disk['samples']} samples), and left {disk['cache_gib']} GiB in "
+        "`.cache/` for later runs to reuse."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="write the report of a ci/test.sh run")
     rec.add_argument("--steps", type=Path, required=True)
     rec.add_argument("--junit", type=Path)
+    rec.add_argument("--disk", type=Path, required=True)
+    rec.add_argument("--cache", type=Path, required=True)
     rec.add_argument("--started", type=float, required=True)
     rec.add_argument("--cold", choices=("yes", "no"), required=True)
     rec.add_argument("--status", type=int, required=True)
@@ -167,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "record":
             report = record(
-                args.steps, args.junit, args.started, args.cold == "yes", args.status
+                args.steps,
+                args.junit,
+                args.disk,
+                args.cache,
+                args.started,
+                args.cold == "yes",
+                args.status,
             )
             tmp = args.out.with_suffix(".tmp")
             tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -176,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             report = json.loads(args.report.read_text())
         print(headline(report))
         print(breakdown(report))
+        print(disk_use(report))
     except (OSError, ValueError, KeyError, ReportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
