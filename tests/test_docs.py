@@ -127,10 +127,10 @@ def test_rebase_duration_is_the_rebase_report() -> None:
 
 
 def test_ci_time_is_the_cold_run_report() -> None:
-    """How long CI takes, stated once (README) with its table of steps
-    (docs/testing.md): ``ci_run.headline`` and ``ci_run.breakdown`` of
-    docs/cold-ci-run.json, the build/ci-run.json of a passing cold
-    fresh-clone ``.ci/run``."""
+    """How long CI takes, stated once (README) with its table of steps and
+    its disk use (docs/testing.md): ``ci_run.headline``, ``breakdown`` and
+    ``disk_use`` of docs/cold-ci-run.json, the build/ci-run.json of a
+    passing cold fresh-clone ``.ci/run``."""
     report = json.loads((ROOT / "docs" / "cold-ci-run.json").read_text())
     assert report["cold"] and report["passed"], (
         "docs/cold-ci-run.json must be a passing cold run's report: copy "
@@ -138,6 +138,7 @@ def test_ci_time_is_the_cold_run_report() -> None:
     )
     quoted(re.escape(flat(ci_run.headline(report))))
     quoted(re.escape(flat(ci_run.breakdown(report))))
+    quoted(re.escape(flat(ci_run.disk_use(report))))
 
 
 def test_seed_scenario_table_is_the_harness_table() -> None:
