@@ -33,8 +33,8 @@ END = "end"
 
 
 class ReportError(Exception):
-    """A steps file or JUnit file that cannot be read as ``ci/test.sh``
-    writes it."""
+    """A steps, disk or JUnit file that cannot be read as ``ci/test.sh``
+    and pytest write it."""
 
 
 Row = tuple[float, str, str]
