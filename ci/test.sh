@@ -9,7 +9,7 @@ started=${OVERLAY_CI_STARTED:-$(date +%s)}
 cold=yes
 [[ -d .cache ]] && cold=no
 # Each step's start, lane and name, for build/ci-run.json (docs/testing.md,
-# "How long a run takes"); the background lane sets lane itself.
+# after "What ci/test.sh runs"); the background lane sets lane itself.
 steps=build/ci-run-steps.tsv
 junit=build/ci-run-project-tests.xml
 lane=main

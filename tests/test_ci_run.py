@@ -175,3 +175,12 @@ def test_record_of_a_bad_steps_file_writes_nothing(
     assert ci_run.main([*args, "--status", "1", "--out", str(out)]) == 1
     assert "is not a time" in capsys.readouterr().err
     assert not out.exists() and not out.with_suffix(".tmp").exists()
+
+
+def test_show_of_a_report_without_a_field_names_file_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "old.json"
+    report.write_text(json.dumps({"commit": "abc", "total_s": 60.0}))
+    assert ci_run.main(["show", str(report)]) == 1
+    assert f"{report} has no field 'cores'" in capsys.readouterr().err

@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="print the docs' sentence and table")
     show.add_argument("report", type=Path)
     args = parser.parse_args(argv)
+    source = args.out if args.command == "record" else args.report
     try:
         if args.command == "record":
             report = record(
@@ -233,11 +234,18 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(report, indent=2) + "\n")
             tmp.replace(args.out)
         else:
-            report = json.loads(args.report.read_text())
+            report = json.loads(source.read_text())
         print(headline(report))
         print(breakdown(report))
         print(disk_use(report))
-    except (OSError, ValueError, KeyError, ReportError) as e:
+    except KeyError as e:
+        print(
+            f"error: {source} has no field {e}: show a build/ci-run.json "
+            "that ci/test.sh wrote",
+            file=sys.stderr,
+        )
+        return 1
+    except (OSError, ValueError, ReportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
