@@ -47,6 +47,9 @@ def make_cpu_scheduler(
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from overlay_harness.cpu_triton import relax_triton_cpu_check
+
+    relax_triton_cpu_check()
     model_config = ModelConfig(
         model=model_dir,
         dtype="float16",

@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from overlay_harness.cpu_triton import relax_triton_cpu_check
+
 # torch.accelerator functions that upstream's cleanup path calls and that
 # raise without an accelerator.  Only names that exist are patched.
 _NOOP_WHEN_NO_ACCELERATOR: tuple[str, ...] = (
@@ -84,6 +86,8 @@ _patched_names: list[str] = []
 
 def pytest_configure(config: pytest.Config) -> None:
     _patched_names[:] = patch_torch_accelerator()
+    if relax_triton_cpu_check():
+        _patched_names.append("(and CpuPlatform's triton-cpu check, cpu_triton.py)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
