@@ -81,18 +81,21 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hit-first-copy",
-        "a hit takes the first copy inserted, not one in use",
+        "a hit takes the oldest copy, not one in use",
         BLOCK_POOL,
-        "                referenced = self.referenced_copies.get(key)\n",
-        "                referenced = None\n",
+        "        block_id = self._cache.get(key)\n"
+        "        return None if block_id is None else self._blocks[block_id]\n",
+        "        dup_ids = self._dup_ids.get(key)\n"
+        "        block_id = next(iter(dup_ids)) if dup_ids else self._cache.get(key)\n"
+        "        return None if block_id is None else self._blocks[block_id]\n",
     ),
     Mutant(
         "first-copy-unmarked",
         "insert marks only the new block when a key gains a second copy, so "
         "the pool never notes the first copy's ref_cnt changes",
         BLOCK_POOL,
-        "            blocks.has_copies = block.has_copies = True\n",
-        "            block.has_copies = True\n",
+        "            first.has_copies = True\n",
+        "            pass\n",
     ),
     Mutant(
         "move-drops-key",
@@ -134,9 +137,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "when a later copy of the key is freed, the key's older free copy "
         "keeps its LRU place instead of going to the front",
         BLOCK_POOL,
-        "            self.free_block_queue.remove(previous)\n"
-        "            blocks_to_evict_first.append(previous)\n",
-        "            pass\n",
+        "                self.free_block_queue.remove(previous)\n"
+        "                blocks_to_evict_first.append(previous)\n",
+        "                pass\n",
     ),
     Mutant(
         "copy-left-alone-stays-first",
@@ -152,8 +155,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a free copy that a reuse watcher still reads (HiSparse's unpinned "
         "page) goes to the front of the free queue like any surplus copy",
         BLOCK_POOL,
-        "            and previous.block_id not in self._reuse_watchers\n",
-        "",
+        "            if previous.block_hash == key and not "
+        "self._keeps_its_place(previous):\n",
+        "            if previous.block_hash == key:\n",
     ),
     Mutant(
         "reset-publishes-its-promotions-after",

@@ -14,10 +14,9 @@ import random
 
 import pytest
 import torch
-
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     BlockHashWithGroupId,
@@ -42,6 +41,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+from tests.v1.core.block_pool_view import copies, new_block_map
+
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 BLOCK_SIZE = 4
@@ -64,16 +65,6 @@ def make_request(
     )
 
 
-def copies(pool: BlockPool, key: BlockHashWithGroupId) -> dict[int, KVCacheBlock]:
-    """The physical blocks the pool's index holds under ``key``."""
-    blocks = pool.cached_block_hash_to_block._cache.get(key)
-    if blocks is None:
-        return {}
-    if isinstance(blocks, KVCacheBlock):
-        return {blocks.block_id: blocks}
-    return dict(blocks)
-
-
 def block_keys(pool: BlockPool, block: KVCacheBlock) -> set[BlockHashWithGroupId]:
     """Every key ``block`` claims: its primary hash and secondary entries."""
     keys = set(pool.cached_block_hashes_by_block.get(block.block_id, ()))
@@ -84,7 +75,7 @@ def block_keys(pool: BlockPool, block: KVCacheBlock) -> set[BlockHashWithGroupId
 
 def assert_index_consistent(pool: BlockPool) -> None:
     """The forward index and every block's own hashes agree exactly."""
-    index = pool.cached_block_hash_to_block._cache
+    index = pool.cached_block_hash_to_block.resident_keys
     indexed: dict[int, set[BlockHashWithGroupId]] = {}
     for key in index:
         entries = copies(pool, key)
@@ -236,16 +227,17 @@ def test_each_copy_keeps_its_hash_and_index_entry(manager_name, num_copies):
 
 
 def test_block_hash_to_block_map_keeps_every_copy():
-    index = BlockHashToBlockMap()
+    pool_blocks = [KVCacheBlock(block_id=i) for i in range(4)]
+    index = new_block_map(pool_blocks)
     key = make_block_hash_with_group_id(BlockHash(b"k"), 0)
-    blocks = [KVCacheBlock(block_id=i) for i in range(1, 4)]
+    blocks = pool_blocks[1:]
     for block in blocks:
         index.insert(key, block)
     for block in blocks:
         assert index.contain(key, block.block_id)
     # Re-inserting a resident copy is idempotent, not a new copy.
     index.insert(key, blocks[0])
-    assert len(index._cache[key]) == 3
+    assert index.num_copies(key) == 3
     # Another group is another key.
     other = make_block_hash_with_group_id(BlockHash(b"k"), 1)
     assert index.get_one_block(other) is None
@@ -350,9 +342,10 @@ def test_evicting_a_copy_in_use_leaves_the_sibling(manager_name):
 
 
 def test_pop_removes_only_the_given_block_id():
-    index = BlockHashToBlockMap()
+    pool_blocks = [KVCacheBlock(block_id=i) for i in range(4)]
+    index = new_block_map(pool_blocks)
     key = make_block_hash_with_group_id(BlockHash(b"k"), 0)
-    blocks = [KVCacheBlock(block_id=i) for i in range(1, 4)]
+    blocks = pool_blocks[1:]
     for block in blocks:
         index.insert(key, block)
     # A block id the key does not hold changes nothing.
@@ -484,7 +477,7 @@ def test_hit_prefers_a_copy_in_use(manager_name):
     # With no copy in use, the first inserted one is returned.
     manager.free(requests[1].request_id)
     pool.free_blocks(second.values())
-    for pos, block in first.items():
+    for block in first.values():
         assert pool.get_cached_block(get_block_hash(block.block_hash), [0]) == [block]
     assert_index_consistent(pool)
 

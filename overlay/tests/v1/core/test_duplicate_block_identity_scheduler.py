@@ -14,12 +14,6 @@ import random
 
 import pytest
 import torch
-
-from tests.v1.core.test_duplicate_block_identity import (
-    assert_index_consistent,
-    block_keys,
-    copies,
-)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -43,9 +37,15 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from tests.v1.core.block_pool_view import model_runner_output
+from tests.v1.core.test_duplicate_block_identity import (
+    assert_index_consistent,
+    block_keys,
+    copies,
+)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -193,14 +193,7 @@ def step(scheduler: Scheduler) -> tuple[SchedulerOutput, list]:
         request = scheduler.requests[req_id]
         done = request.num_computed_tokens >= request.num_tokens
         sampled.append([SAMPLED_TOKEN_ID] if done else [])
-    model_output = ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
+    model_output = model_runner_output(req_ids, sampled)
     engine_outputs = scheduler.update_from_output(output, model_output)
     finished = [
         out
@@ -332,7 +325,7 @@ def test_hybrid_many_concurrent_shared_prompts(model_dir, seed):
             break
         finished.extend(step(scheduler)[1])
         assert_index_consistent(pool)
-        resident = pool.cached_block_hash_to_block._cache
+        resident = pool.cached_block_hash_to_block.resident_keys
         seen_copies.update((key, b) for key in resident for b in copies(pool, key))
         max_copies = max([max_copies] + [len(copies(pool, key)) for key in resident])
     else:
@@ -342,6 +335,6 @@ def test_hybrid_many_concurrent_shared_prompts(model_dir, seed):
     assert all(out.finish_reason == FinishReason.LENGTH for out in finished)
     # The load did materialise duplicates and did evict copies.
     assert max_copies >= 2
-    resident = pool.cached_block_hash_to_block._cache
+    resident = pool.cached_block_hash_to_block.resident_keys
     assert seen_copies - {(key, b) for key in resident for b in copies(pool, key)}
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

@@ -17,9 +17,10 @@ the next allocation. Copies that a reuse watcher still reads (HiSparse's
 unpinned pages) keep their place.
 """
 
+import inspect
+
 import pytest
 import torch
-
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -36,6 +37,8 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
+
+from tests.v1.core.block_pool_view import copies
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -91,12 +94,7 @@ def block_hash_of(token_ids: list[int]):
 
 def resident_copies(pool: BlockPool, token_ids: list[int]) -> set[int]:
     key = make_block_hash_with_group_id(block_hash_of(token_ids), 0)
-    blocks = pool.cached_block_hash_to_block._cache.get(key)
-    if blocks is None:
-        return set()
-    if isinstance(blocks, KVCacheBlock):
-        return {blocks.block_id}
-    return set(blocks)
+    return set(copies(pool, key))
 
 
 @pytest.mark.parametrize("copy_semantics", ["logical", "last_copy", "physical"])
@@ -126,6 +124,28 @@ def test_freed_copy_leaves_first_while_another_copy_is_in_use(copy_semantics):
         ]
     else:
         assert removed == []
+
+
+@pytest.mark.skipif(
+    "evict_first" not in inspect.signature(BlockPool.free_blocks).parameters,
+    reason="the release's free_blocks has no evict_first",
+)
+def test_copy_freed_to_be_evicted_first_is_no_longer_taken_as_in_use():
+    """free_blocks(evict_first=True), for blocks another tier holds, puts a
+    freed copy at the front of the queue and notes that it left use: a hit
+    takes the copy still in use, and the freed one leaves first with its key
+    still resident."""
+    pool = make_pool()
+    a = compute(pool, "a", PROMPT)
+    b = compute(pool, "b", PROMPT)
+    pool.free_blocks([b], evict_first=True)
+    assert free_order(pool)[0] == b.block_id
+    assert pool.get_cached_block(block_hash_of(PROMPT), [0]) == [a]
+    pool.take_events()
+
+    assert pool.get_new_blocks(1) == [b]
+    assert resident_copies(pool, PROMPT) == {a.block_id}
+    assert [e for e in pool.take_events() if isinstance(e, BlockRemoved)] == []
 
 
 def test_latest_freed_copy_keeps_the_key_recency():

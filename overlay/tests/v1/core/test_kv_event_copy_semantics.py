@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 import torch
-
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -36,7 +35,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
@@ -58,6 +57,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
+
+from tests.v1.core.block_pool_view import new_block_map
 
 pytestmark = pytest.mark.cpu_test
 
@@ -241,9 +242,10 @@ def test_hisparse_host_pool_inherits_copy_semantics():
 
 
 def test_block_hash_map_reports_first_and_last_copy():
-    cache_map = BlockHashToBlockMap()
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    cache_map = new_block_map(blocks)
     key = make_block_hash_with_group_id(b"h" * 32, 0)
-    b1, b2, b3 = (KVCacheBlock(i) for i in (1, 2, 3))
+    b1, b2, b3 = blocks[1:]
     resident = cache_map.resident_keys
     assert cache_map.insert(key, b1) is True
     assert cache_map.insert(key, b2) is False

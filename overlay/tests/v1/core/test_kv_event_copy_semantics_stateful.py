@@ -36,7 +36,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
@@ -336,13 +335,14 @@ class CopySemanticsMachine(RuleBasedStateMachine):
         physical copy under "physical", one per key otherwise."""
         counts: Counter[tuple] = Counter()
         for p in self.pools:
-            for k, blocks in p.cached_block_hash_to_block._cache.items():
+            index = p.cached_block_hash_to_block
+            for k in index.resident_keys:
                 key = (
                     maybe_convert_block_hash(get_block_hash(k)),
                     get_group_id(k),
                     p.medium,
                 )
-                copies = len(blocks) if isinstance(blocks, dict) else 1
+                copies = index.num_copies(k)
                 counts[key] += copies if self.policy == "physical" else 1
         return counts
 

@@ -25,19 +25,6 @@ from collections import Counter
 import msgspec
 import pytest
 import zmq
-
-from tests.v1.core.test_duplicate_block_identity_scheduler import (
-    EOS_TOKEN_ID,
-    MAX_MODEL_LEN,
-    SAMPLED_TOKEN_ID,
-    TINY_OPT_CONFIG,
-    tiny_model_config,
-)
-from tests.v1.simple_kv_offload.test_scheduler import (
-    _BYTES_PER_BLOCK,
-    BLOCK_SIZE,
-    _make_kv_cache_config,
-)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -67,7 +54,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.simple_kv_offload.metadata import (
     INVALID_JOB_ID,
@@ -75,6 +62,20 @@ from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadWorkerMetadata,
 )
 from vllm.v1.structured_output import StructuredOutputManager
+
+from tests.v1.core.block_pool_view import model_runner_output
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    EOS_TOKEN_ID,
+    MAX_MODEL_LEN,
+    SAMPLED_TOKEN_ID,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    BLOCK_SIZE,
+    _make_kv_cache_config,
+)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -317,15 +318,7 @@ def step(scheduler: Scheduler) -> None:
         sampled.append([SAMPLED_TOKEN_ID] if done else [])
     scheduler.update_from_output(
         output,
-        ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=completed_transfers(output),
-        ),
+        model_runner_output(req_ids, sampled, completed_transfers(output)),
     )
 
 

@@ -28,17 +28,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
-from tests.v1.core.kv_event_mirrors import CountMirror, SetMirror, resident_copies
-from tests.v1.core.test_duplicate_block_identity_scheduler import (
-    EOS_TOKEN_ID,
-    TINY_OPT_CONFIG,
-    tiny_model_config,
-)
-from tests.v1.simple_kv_offload.test_scheduler import (
-    _BYTES_PER_BLOCK,
-    _make_kv_cache_config,
-)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -59,7 +48,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.metadata import (
     INVALID_JOB_ID,
@@ -67,6 +56,18 @@ from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadWorkerMetadata,
 )
 from vllm.v1.structured_output import StructuredOutputManager
+
+from tests.v1.core.block_pool_view import model_runner_output
+from tests.v1.core.kv_event_mirrors import CountMirror, SetMirror, resident_copies
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    EOS_TOKEN_ID,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    _make_kv_cache_config,
+)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -368,15 +369,7 @@ class Run:
             request = self.scheduler.requests[req_id]
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([self.token(req_id, request.num_tokens)] if done else [])
-        model_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=self.connector_output(out),
-        )
+        model_output = model_runner_output(req_ids, sampled, self.connector_output(out))
         self.tap.last_events = []
         self.scheduler.update_from_output(out, model_output)
         self.cov.steps += 1

@@ -30,7 +30,23 @@ import time
 from concurrent.futures import Future
 
 import pytest
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.config.kv_events import KVEventsConfig
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import ModelRunnerOutput
 
+from tests.v1.core.block_pool_view import model_runner_output
 from tests.v1.core.test_duplicate_block_identity_scheduler import (
     MAX_MODEL_LEN,
     SAMPLED_TOKEN_ID,
@@ -52,21 +68,6 @@ from tests.v1.simple_kv_offload.test_scheduler import (
     HEAD_SIZE,
     NUM_KV_HEADS,
 )
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.config.kv_events import KVEventsConfig
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared
-from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EngineCoreRequest
-from vllm.v1.engine.core import EngineCore
-from vllm.v1.executor.abstract import Executor
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.outputs import ModelRunnerOutput
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -108,14 +109,10 @@ class MadeUpExecutor(Executor):
 
     def execute_model(self, scheduler_output, non_block=False):
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=[[SAMPLED_TOKEN_ID] for _ in req_ids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=completed_transfers(scheduler_output),
+        output = model_runner_output(
+            req_ids,
+            [[SAMPLED_TOKEN_ID] for _ in req_ids],
+            completed_transfers(scheduler_output),
         )
         if not non_block:
             return output

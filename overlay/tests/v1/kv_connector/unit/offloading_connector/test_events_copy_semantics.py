@@ -23,17 +23,6 @@ import json
 from collections import Counter
 
 import pytest
-
-from tests.v1.core.test_duplicate_block_identity_scheduler import (
-    MAX_MODEL_LEN,
-    TINY_OPT_CONFIG,
-    tiny_model_config,
-)
-from tests.v1.simple_kv_offload.test_scheduler import (
-    _BYTES_PER_BLOCK,
-    BLOCK_SIZE,
-    _make_kv_cache_config,
-)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -64,6 +53,17 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.request import Request
+
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    MAX_MODEL_LEN,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    BLOCK_SIZE,
+    _make_kv_cache_config,
+)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -263,6 +263,30 @@ def test_chunks_sharing_a_hash_follow_copy_semantics(model_dir, connectors, poli
     removals = tier.take()
     assert removals and all(isinstance(e, BlockRemoved) for e in removals)
     assert not tier.keys
+
+
+@pytest.mark.skipif(
+    "lookahead_token_ids" not in BlockStored.__struct_fields__,
+    reason="the release's BlockStored carries no lookahead token ids",
+)
+def test_a_run_of_new_hashes_carries_its_own_lookahead_tokens(model_dir, connectors):
+    """Under "logical" a chunk whose first hash is announced already is
+    published from its second block on, with one list of lookahead token ids
+    per hash it names: the second block's."""
+    tier = Tier(make_connector(connectors, model_dir, "logical"), "logical")
+    # As upstream's tests of the tracker set it; the engine sets it for EAGLE.
+    tier.scheduler._events_tracker.num_hash_lookahead_tokens = 1
+    a, b = make_request("a", 1, 2), make_request("b", 1, 3)
+
+    tier.store(a)
+    [stored] = tier.take()
+    # The token after each block: a's second block's first, then the last.
+    assert stored.lookahead_token_ids == [[2], [1]]
+
+    tier.store(b)
+    [stored] = tier.take()
+    assert stored.block_hashes == wire(b)[1:]
+    assert stored.lookahead_token_ids == [[1]]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
