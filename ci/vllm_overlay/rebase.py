@@ -230,11 +230,19 @@ def _commit_short(tree: Path) -> str:
     return match.group(1) if match else ""
 
 
+def _minor(version: str) -> tuple[str, ...]:
+    """A torch version's major.minor (``2.14.1+cpu`` -> ("2", "14"))."""
+    return tuple(re.findall(r"\d+", version)[:2])
+
+
 def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]:
     """pin.toml's text for ``release`` (its unpacked sdist at ``tree``): the
-    same file with the new tag, version, files and sha256, and both torch
-    pins read from the release's own requirement files; with one line per
-    torch pin saying where it came from."""
+    same file with the new tag, version, files and sha256, and the torch
+    pins: the official wheel's from the release's own requirement file; the
+    build venv's kept, with its comment, while it is the same minor release
+    as the release's build requirement (any CUDA build of that minor builds
+    the wheel, and the checkout's choice has its reasons), else the
+    release's. With one line per torch pin saying where it came from."""
     assert release.wheel is not None
     text = pin.path.read_text()
     for old, new in (
@@ -263,6 +271,10 @@ def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]
         table: (_torch_requirement(tree / rel, machine), rel)
         for table, rel in sources.items()
     }
+    build_value, build_rel = pins["build"]
+    keep_build = _minor(pin.build_torch) == _minor(build_value)
+    if keep_build:
+        del pins["build"]
     lines: list[str] = []
     table = ""
     for line in text.splitlines():
@@ -282,6 +294,17 @@ def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]
         f"[{table}] torch = {value!r}, from {rel} of {release.sdist.filename}"
         for table, (value, rel) in pins.items()
     ]
+    build = f"{build_rel} of {release.sdist.filename} asks {build_value!r}"
+    if keep_build:
+        notes.append(
+            f"[build] torch = {pin.build_torch!r} kept, with its comment: "
+            f"{build}, the same minor release"
+        )
+    else:
+        notes[-1] += (
+            f": the minor release differs from the checkout's "
+            f"{pin.build_torch!r}, whose comment was replaced"
+        )
     return "\n".join(lines) + "\n", notes
 
 
@@ -556,9 +579,10 @@ def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) ->
                 file=sys.stderr,
             )
         print(
-            f"{version}: {rebased / 'pin.toml'} takes both torch pins from the "
-            "release's requirement files (the build checks the wheel's own "
-            f"Requires-Dist); once exported, test it with the release's wheel: "
+            f"{version}: {rebased / 'pin.toml'} takes the official wheel's torch "
+            "pin from the release's requirement files (the build checks the "
+            "wheel's own Requires-Dist) and [build] torch as said above; once "
+            "exported, test it with the release's wheel: "
             f"`{command} rebase-test {version}`, then adopt it: `{command} adopt "
             f"{version}`",
             file=sys.stderr,
