@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -608,3 +610,95 @@ def test_rebased_pin_keeps_the_build_torch_of_the_same_minor(
         "[upstream.wheel] torch = '2.14.5', from requirements/cuda.txt of "
         "vllm-9.9.9.tar.gz"
     )
+
+
+PY_LINES = "".join(f"x{i} = {i}\n" for i in range(1, 31))
+
+
+def _hints(text: str) -> list[str]:
+    """The commands a message tells to run (between backquotes)."""
+    return re.findall(r"`([^`]+)`", text)
+
+
+def test_rebase_hints_name_the_next_step_of_the_state(
+    checkout: Layout, tmp_path: Path, capsys
+) -> None:
+    """Each next step printed after the rebase's checks is true where it is
+    printed: export only while the workspace holds commits rebased/patches
+    lacks, then the overlay's tests, then adopt; adopt and rebase-test,
+    which run on an exported series, never tell to export it. The hints
+    are run as pasted (but rebase-test, a build of the real release)."""
+    write_series(
+        checkout,
+        {
+            "0001-a.patch": make_patch(
+                PY_LINES, PY_LINES.replace("x5 = 5\n", "x5 = 50\n"), "pkg/a.py"
+            ),
+            "0002-b.patch": make_patch(
+                PY_LINES, PY_LINES.replace("x10 = 10\n", "x10 = 100\n"), "pkg/b.py"
+            ),
+        },
+    )
+    work = adopt.version_dir(checkout, VERSION)
+    ws = _tree(work / "workspace", {"pkg/a.py": PY_LINES, "pkg/b.py": PY_LINES})
+    release = _tree(
+        tmp_path / "release",
+        {"pkg/a.py": "y = 0\n" + PY_LINES, "pkg/b.py": PY_LINES},
+    )
+    workspace.rebase_workspace(
+        ws,
+        series.load_series(checkout.patches),
+        release,
+        work / "rebased" / "patches",
+        "",
+        checkout.command,
+    )
+    (work / "rebased").mkdir()
+    shutil.copy(checkout.pin, work / "rebased" / "pin.toml")
+    # the checks' python: the test venv's, which has ruff
+    check = f"ci/overlay workspace --continue --dir {ws} --python {sys.executable}"
+
+    def overlay(line: str) -> tuple[int, str]:
+        """``line`` (a ci/overlay command) run in the checkout."""
+        words = shlex.split(line)
+        assert words[0] == "ci/overlay", line
+        code = main(["--root", str(checkout.root), *words[1:]])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, out = overlay(check)
+    assert code == 0, out
+    (export, test, adopt_it) = _hints(out.partition("next: ")[2])
+    assert export == f"ci/overlay export --dir {ws}"
+    assert (test, adopt_it) == (
+        f"ci/overlay rebase-test {VERSION}",
+        f"ci/overlay adopt {VERSION}",
+    )
+    assert overlay(export)[0] == 0
+    # exported: the same check now names the tests first, and so do adopt's
+    for line in (
+        check,
+        f"ci/overlay adopt {VERSION} --python {sys.executable}",
+    ):
+        code, out = overlay(line)
+        assert "rebased series checked" in out, out
+        assert "ci/overlay export" not in out, out
+        assert f"`ci/overlay rebase-test {VERSION}`" in out, out
+    # the tests passed on exactly this rebase: adopt is next
+    gate.record_path(checkout, VERSION).write_text(
+        json.dumps(
+            {
+                "rebased_sha256": gate.rebased_digest(work / "rebased"),
+                "passed": True,
+                "complete": True,
+            }
+        )
+    )
+    code, out = overlay(check)
+    assert _hints(out.partition("next: ")[2]) == [f"ci/overlay adopt {VERSION}"]
+    # a fix folded in again: export is next once more
+    (ws / "pkg" / "b.py").write_text(PY_LINES.replace("x10 = 10\n", "x10 = 1000\n"))
+    workspace.git(ws, "commit", "-q", "-a", "--amend", "--no-edit")
+    code, out = overlay(check)
+    assert _hints(out.partition("next: ")[2])[0] == f"ci/overlay export --dir {ws}"
+    assert "0002-b.patch" in out

@@ -92,6 +92,15 @@ def require_pass(layout: Layout, version: str) -> None:
         )
 
 
+def passed(layout: Layout, version: str) -> bool:
+    """Whether adopt would accept the overlay's tests' record of this rebase."""
+    try:
+        require_pass(layout, version)
+    except OverlayError:
+        return False
+    return True
+
+
 def test_selection(checkout: Layout) -> tuple[Path, list[str]]:
     """The overlay folder whose tests run on ``checkout``'s target, and its
     test files (tree-relative): the target's own, else the main overlay's."""

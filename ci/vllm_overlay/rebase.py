@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay import adopt, apply, workspace
+from vllm_overlay import adopt, apply, gate, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import default_index_url, fetch, list_files
 from vllm_overlay.paths import Layout
@@ -380,7 +380,7 @@ def write_rebased(
         except OverlayError as e:
             return f"{e.what}\n  next: {e.next_step}"
     try:
-        finish(layout, ws, release.version, None)
+        check(layout, ws, None)
     except OverlayError as e:
         return f"{e.what}\n  next: {e.next_step}"
     return None
@@ -489,9 +489,34 @@ def _patches_of(ws: Path, rel: str, base: str) -> list[str]:
     ).split()
 
 
+def next_steps(layout: Layout, version: str) -> str:
+    """The commands that come next for the rebase of ``version``, in the
+    state it is in: export while its workspace holds commits that
+    ``rebased/patches`` lacks, the overlay's tests until they passed on
+    exactly that ``rebased/``, then adopt."""
+    ws = adopt.version_dir(layout, version) / "workspace"
+    test = f"`{layout.command} rebase-test {version}`"
+    adopt_it = f"`{layout.command} adopt {version}`"
+    if missing := adopt.unexported(layout, version):
+        return (
+            f"`{layout.command} export --dir {ws}` (not yet in rebased/patches: "
+            f"{', '.join(missing)}), then the overlay's tests on it: {test}, "
+            f"then {adopt_it}"
+        )
+    if not gate.passed(layout, version):
+        return f"the overlay's tests on the exported series: {test}, then {adopt_it}"
+    return f"{adopt_it} (the overlay's tests passed on exactly this rebase)"
+
+
 def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
     """Check the finished rebase in ``ws`` by running code; raise naming
-    each problem and its patch, else say what comes next."""
+    each problem and its patch, else say so and what comes next."""
+    return f"{check(layout, ws, python)}; next: {next_steps(layout, version)}"
+
+
+def check(layout: Layout, ws: Path, python: Path | None) -> str:
+    """Check the finished rebase in ``ws`` by running code; raise naming
+    each problem and its patch, else say that it passed."""
     checker = checker_python(layout, python)
     if problems := check_rebased(ws, checker):
         base = workspace.git(ws, "rev-list", "--max-parents=0", "HEAD").split()[0]
@@ -509,11 +534,7 @@ def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
             + "\n  ".join(f"{p}: {what}" if p else what for p, what in problems),
             f"fix them in {ws}; {fold}`{workspace.continue_hint(ws)}`",
         )
-    return (
-        f"rebased series checked (compiles, ruff clean); next: `{layout.command} "
-        f"export --dir {ws}`, then the overlay's tests on it: `{layout.command} "
-        f"rebase-test {version}`, then `{layout.command} adopt {version}`"
-    )
+    return "rebased series checked (compiles, ruff clean)"
 
 
 def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) -> int:
