@@ -702,3 +702,63 @@ def test_rebase_hints_name_the_next_step_of_the_state(
     code, out = overlay(check)
     assert _hints(out.partition("next: ")[2])[0] == f"ci/overlay export --dir {ws}"
     assert "0002-b.patch" in out
+
+
+RUFF_HOOKS = """\
+repos:
+- repo: https://github.com/astral-sh/ruff-pre-commit
+  rev: {rev}
+  hooks:
+  - id: ruff-check
+- repo: https://github.com/crate-ci/typos
+  rev: v1.51.1
+"""
+
+
+@pytest.mark.parametrize(
+    ("rev", "version"),
+    [
+        ("v0.14.0", "0.14.0"),
+        ("'v0.14.0'", "0.14.0"),
+        # 0.34.0's form: a commit, its tag in pre-commit's comment
+        ("f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2", "0.17.2"),
+    ],
+)
+def test_pinned_ruff_is_the_trees_pre_commit_rev(
+    tmp_path: Path, rev: str, version: str
+) -> None:
+    (tmp_path / ".pre-commit-config.yaml").write_text(RUFF_HOOKS.format(rev=rev))
+    assert rebase.pinned_ruff(tmp_path) == version
+
+
+@pytest.mark.parametrize(
+    ("text", "what"),
+    [
+        (None, "cannot read it"),
+        (RUFF_HOOKS.replace("astral-sh/ruff-pre-commit", "x/y"), "no astral-sh"),
+        (RUFF_HOOKS.replace("  rev: {rev}\n", ""), "no astral-sh"),
+        (RUFF_HOOKS.format(rev="f368fb366ff7f2f8"), "names no ruff version"),
+        (RUFF_HOOKS.format(rev="main  # frozen: latest"), "names no ruff version"),
+    ],
+    ids=["missing", "no-entry", "no-rev", "bare-commit", "no-version"],
+)
+def test_pinned_ruff_unknown_names_the_file(
+    tmp_path: Path, text: str | None, what: str
+) -> None:
+    config = tmp_path / ".pre-commit-config.yaml"
+    if text is not None:
+        config.write_text(text)
+    with pytest.raises(OverlayError) as e:
+        rebase.pinned_ruff(tmp_path)
+    assert e.value.what.startswith(f"{config}: ") and what in e.value.what
+    assert "--python" in e.value.next_step
+
+
+@pytest.mark.real_release
+def test_pinned_ruff_of_the_pinned_release(tmp_path: Path) -> None:
+    """The pinned release's own .pre-commit-config.yaml names its ruff."""
+    pin = load_pin(REPO.pin)
+    tree = tmp_path / "tree"
+    sdist = REPO.downloads / pin.sdist.filename
+    rebase.extract_files(sdist, {".pre-commit-config.yaml"}, tree)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", rebase.pinned_ruff(tree))

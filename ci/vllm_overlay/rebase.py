@@ -43,6 +43,7 @@ from vllm_overlay.paths import Layout
 from vllm_overlay.pin import Pin, PinnedFile, load_pin
 from vllm_overlay.series import Patch, load_series
 from vllm_overlay.source import extract_sdist, lay_scratch_tree
+from vllm_overlay.venv import tool_venv
 
 _NEEDS_HUMAN = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE}
 _VERSION_FILE = "vllm/_version.py"
@@ -386,27 +387,67 @@ def write_rebased(
     return None
 
 
-def checker_python(layout: Layout, given: Path | None) -> Path:
-    """The python that checks a rebased tree: ``given``, or the newest test
-    environment in the cache (it has ruff at the pinned version)."""
-    if given is not None:
-        return given
-    found = sorted(
-        (
-            p
-            for p in layout.cache.glob("test-env-*/bin/python")
-            if p.with_name("ruff").exists()
-        ),
-        key=lambda p: p.parent.stat().st_mtime,
+PRE_COMMIT_CONFIG = ".pre-commit-config.yaml"
+_RUFF_HOOKS = "astral-sh/ruff-pre-commit"
+_VERSION = re.compile(r"v?(\d+(?:\.\d+)+)")
+
+
+def pinned_ruff(tree: Path) -> str:
+    """The ruff version an upstream tree pins for its own checks: the
+    ``rev:`` of the astral-sh/ruff-pre-commit entry of its
+    .pre-commit-config.yaml, a tag (``v0.14.0``) or a commit frozen with
+    its tag in a comment (``rev: SHA  # frozen: v0.17.2``)."""
+    config = tree / PRE_COMMIT_CONFIG
+    hint = (
+        "pass --python with a python whose ruff is the version upstream uses "
+        "(`PY -m ruff --version`)"
     )
-    if not found:
+    try:
+        lines = config.read_text().splitlines()
+    except OSError as e:
         raise OverlayError(
-            f"no test environment with ruff in {layout.cache} to check the rebased "
-            "series with",
-            "make one: `./build.sh && PYTHONPATH=ci python3 -m overlay_harness.testenv "
-            f"dist/{load_pin(layout.pin).distribution}-*.whl`, or pass --python",
-        )
-    return found[-1]
+            f"{config}: cannot read it ({e.strerror}), so which ruff upstream "
+            "checks its code with is unknown",
+            hint,
+        ) from e
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*-?\s*repo:", line) and _RUFF_HOOKS in line:
+            for entry in lines[i + 1 :]:
+                if re.match(r"^\s*-?\s*repo:", entry):
+                    break
+                if rev := re.match(r"^\s*rev:\s*(.*)$", entry):
+                    value, _, comment = rev.group(1).partition("#")
+                    frozen = re.match(r"\s*frozen:\s*(\S+)", comment)
+                    for text in (value.strip().strip("'\""), frozen and frozen[1]):
+                        if text and (version := _VERSION.fullmatch(text)):
+                            return version.group(1)
+                    raise OverlayError(
+                        f"{config}: the {_RUFF_HOOKS} entry's {entry.strip()!r} "
+                        "names no ruff version (vX.Y.Z, or a commit with "
+                        "'# frozen: vX.Y.Z')",
+                        hint,
+                    )
+            break
+    raise OverlayError(
+        f"{config}: no {_RUFF_HOOKS} entry with a rev:, so which ruff upstream "
+        "checks its code with is unknown",
+        hint,
+    )
+
+
+def ruff_python(layout: Layout, tree: Path) -> Path:
+    """The python of a small cached venv that holds only the ruff ``tree``
+    pins (``.cache/ruff-env-*``): upstream's checks, without a test venv."""
+    version = pinned_ruff(tree)
+    return tool_venv(
+        layout.cache, "ruff-env", f"ruff=={version}", layout.logs / "ruff-env.log"
+    )
+
+
+def checker_python(layout: Layout, given: Path | None, tree: Path) -> Path:
+    """The python that checks a rebased ``tree``: ``given``, or one with the
+    ruff the tree's .pre-commit-config.yaml pins (``ruff_python``)."""
+    return given if given is not None else ruff_python(layout, tree)
 
 
 _COMPILE = """\
@@ -517,7 +558,7 @@ def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
 def check(layout: Layout, ws: Path, python: Path | None) -> str:
     """Check the finished rebase in ``ws`` by running code; raise naming
     each problem and its patch, else say that it passed."""
-    checker = checker_python(layout, python)
+    checker = checker_python(layout, python, ws)
     if problems := check_rebased(ws, checker):
         base = workspace.git(ws, "rev-list", "--max-parents=0", "HEAD").split()[0]
         first = next((p.split(", ")[-1] for p, _ in problems if p), "")
