@@ -762,3 +762,42 @@ def test_pinned_ruff_of_the_pinned_release(tmp_path: Path) -> None:
     sdist = REPO.downloads / pin.sdist.filename
     rebase.extract_files(sdist, {".pre-commit-config.yaml"}, tree)
     assert re.fullmatch(r"\d+\.\d+\.\d+", rebase.pinned_ruff(tree))
+
+
+def test_overlay_tests_changed_in_the_rebase_are_gated_and_adopted(
+    project: Path,
+) -> None:
+    """A failure of the overlay's tests on a rebase may be the tests' own
+    (an internal that the release changed): the hint names the rebase's
+    copy of them, an edit there voids a passing record until rebase-test
+    passes again on it, and adopt puts the edited test in place."""
+    layout = Layout(project)
+    rebased = _rebase_result(layout)
+    tests = rebased / "overlay" / "tests"
+    record = gate.record_path(layout, VERSION)
+
+    def ran(passed: bool) -> None:
+        """What rebase-test records, for rebased/ as it is now."""
+        digest = gate.rebased_digest(rebased)
+        record.write_text(
+            json.dumps({"rebased_sha256": digest, "passed": passed, "complete": True})
+        )
+
+    ran(passed=False)
+    with pytest.raises(OverlayError, match="tests failed") as failed:
+        gate.require_pass(layout, VERSION)
+    assert f"the overlay's tests in {tests} " in failed.value.next_step
+    assert "ci/overlay-tests.txt" in failed.value.next_step
+    assert f"`ci/overlay rebase-test {VERSION}`" in failed.value.next_step
+    ran(passed=True)
+    name = sorted(tests.rglob("test_*.py"))[0]
+    edited = name.read_text() + "\n# the release keeps block ids, not blocks\n"
+    name.write_text(edited)
+    with pytest.raises(OverlayError, match="changed since the overlay's tests ran"):
+        gate.require_pass(layout, VERSION)
+    ran(passed=True)
+    gate.require_pass(layout, VERSION)
+    adopt.adopt(layout, VERSION)
+    assert (layout.overlay / name.relative_to(rebased / "overlay")).read_text() == (
+        edited
+    )
