@@ -801,3 +801,35 @@ def test_overlay_tests_changed_in_the_rebase_are_gated_and_adopted(
     assert (layout.overlay / name.relative_to(rebased / "overlay")).read_text() == (
         edited
     )
+
+
+def test_dropping_patches_in_a_rebase_as_the_guide_says(
+    checkout: Layout, tmp_path: Path
+) -> None:
+    """Recipe 8's two cases in a rebase: a patch the release already has
+    (git leaves its commit out) and one that merged cleanly but is obsolete
+    (its commit removed by hand); export refuses until told with --drop,
+    naming the command, and then writes the series without them."""
+    write_series(checkout, REBASED_SERIES)
+    ws = _tree(tmp_path / "ws", {"pkg/a.py": LINES, "pkg/b.py": LINES})
+    release = _tree(
+        tmp_path / "release",
+        {"pkg/a.py": LINES.replace("line 5\n", "five\n"), "pkg/b.py": LINES},
+    )
+    out = tmp_path / "rebased"
+    workspace.rebase_workspace(
+        ws, series.load_series(checkout.patches), release, out, "", "ci/overlay"
+    )
+    name = "0003-b20.patch"
+    c = git(ws, "rev-parse", f":/^{name}").strip()
+    git(ws, "rebase", "-q", "--onto", f"{c}^", c)
+    workspace.continue_workspace(ws, skip=False)
+    with pytest.raises(OverlayError) as refused:
+        workspace.export(ws)
+    gone = ["0001-a.patch", name]
+    assert refused.value.next_step.endswith(
+        f"`ci/overlay export --dir {ws} --drop {gone[0]} --drop {gone[1]}`"
+    )
+    (command,) = _hints(refused.value.next_step)[1:]
+    assert main(shlex.split(command)[1:]) == 0
+    assert series.read_series(out) == ["0002-b10.patch"]
