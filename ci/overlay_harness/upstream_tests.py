@@ -22,7 +22,9 @@ venv where the matching vLLM wheel is installed.  The steps:
    timeout, ``--junitxml``) on the selection below plus any ``--extra``;
 3. parse the junit xml into ``{nodeid: outcome}``;
 4. ``record`` writes the baseline (every node id, its outcome and, for each
-   non-pass, a reason derived from the failure text by ``REASON_PATTERNS``);
+   non-pass, a reason derived from the failure text by ``REASON_PATTERNS``;
+   an entry of the baseline it replaces that has a hand-written ``note`` is
+   kept as it was while its test exists, ``carry_notes``);
    ``check`` compares: a baseline pass that does not pass now, a baseline
    node id missing from the run, and a new node id that does not pass are
    each an error (exit 1); so is, with ``--expected``, a recorded node id of
@@ -460,8 +462,44 @@ def counts(outcomes: Iterable[str]) -> dict[str, int]:
     return c
 
 
-def write_baseline(run: RunResult, out: Path, tree: Path) -> dict[str, object]:
+def carry_notes(
+    previous: Mapping[str, Mapping[str, str]], tests: dict[str, dict[str, str]]
+) -> list[str]:
+    """Keep the hand-written entries of ``previous`` in ``tests``, the new
+    record: an entry with a ``note`` (why it was set by hand, e.g. a test
+    that passes on the unpatched tree recorded as failing on purpose) is
+    kept as it was, outcome and reason too, while its node id still runs;
+    return one line per note kept (with this run's outcome) or dropped
+    because its test is gone."""
+    lines = []
+    for nodeid, entry in sorted(previous.items()):
+        if "note" not in entry:
+            continue
+        if nodeid in tests:
+            now = tests[nodeid]["outcome"]
+            tests[nodeid] = dict(entry)
+            lines.append(
+                f"kept the note of {nodeid} and its entry ({entry['outcome']}; "
+                f"this run: {now}): {entry['note']}"
+            )
+        else:
+            lines.append(
+                f"DROPPED the note of {nodeid}: its test is gone: {entry['note']}"
+            )
+    return lines
+
+
+def write_baseline(
+    run: RunResult,
+    out: Path,
+    tree: Path,
+    previous: Mapping[str, Mapping[str, str]] | None = None,
+) -> tuple[dict[str, object], list[str]]:
+    """Write the baseline of ``run``, keeping the notes of ``previous`` (the
+    entries of the baseline it replaces, ``carry_notes``); return its meta
+    and what became of each note."""
     tests = baseline_entries(run.results)
+    notes = carry_notes(previous or {}, tests)
     meta: dict[str, object] = {
         "counts": counts(e["outcome"] for e in tests.values()),
         "env": dict(sorted(run.env.items())),
@@ -487,7 +525,7 @@ def write_baseline(run: RunResult, out: Path, tree: Path) -> dict[str, object]:
     tmp.write_text("\n".join(lines) + "\n")
     json.loads(tmp.read_text())  # never leave invalid JSON behind
     tmp.replace(out)
-    return meta
+    return meta, notes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -842,6 +880,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
             selection = [*base.selection, *args.extra]
         else:
             selection = list(args.selection)
+            # The baseline a re-record replaces: its notes are kept. Read
+            # before the run, so an unreadable one stops before minutes.
+            previous = load_baseline(args.out).tests if args.out.is_file() else {}
         work, is_temp = _work_dir(args.work)
         run = run_pytest(
             tree,
@@ -853,7 +894,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
             echo=not args.quiet,
         )
         if args.cmd == "record":
-            meta = write_baseline(run, args.out, tree)
+            meta, notes = write_baseline(run, args.out, tree, previous)
+            print("\n".join(notes) if notes else "no hand-written notes to keep")
             print(f"baseline written: {args.out}: {meta['counts']}, {meta['wall_s']} s")
             ok = True
         else:

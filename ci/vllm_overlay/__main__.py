@@ -235,13 +235,15 @@ def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
-    """ruff, with upstream's own configuration, on the files we change."""
+    """ruff, with upstream's own configuration and version, on the files we
+    change."""
     files = sorted(f for f in overlay.patched_files(layout) if f.endswith(".py"))
     if not files:
         return "no patched upstream Python files"
+    python = (args.python or rebase.ruff_python(layout, args.tree)).absolute()
     for ruff_args in (["check"], ["format", "--check"]):
         run_logged(
-            [str(args.python.absolute()), "-m", "ruff", *ruff_args, *files],
+            [str(python), "-m", "ruff", *ruff_args, *files],
             layout.logs / "ruff-upstream.log",
             cwd=args.tree,
         )
@@ -338,14 +340,14 @@ def cmd_adopt(layout: Layout, args: argparse.Namespace) -> str:
     # The checks run on exactly what goes in: the workspace, which must be
     # what rebased/patches holds.
     ws = adopt.check_exported(layout, args.version)
-    print(rebase.finish(layout, ws, args.version, args.python), file=sys.stderr)
+    print(rebase.check(layout, ws, args.python), file=sys.stderr)
     gate.require_pass(layout, args.version)
     return adopt.adopt(layout, args.version)
 
 
 def cmd_rebase_test(layout: Layout, args: argparse.Namespace) -> str:
     ws = adopt.check_exported(layout, args.version)
-    print(rebase.finish(layout, ws, args.version, args.python), file=sys.stderr)
+    print(rebase.check(layout, ws, args.python), file=sys.stderr)
     return gate.rebase_test(layout, args.version, args.tests)
 
 
@@ -429,7 +431,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     dir_help = "the workspace (default build/workspace)"
     p.add_argument("--dir", type=Path, help=dir_help)
-    python_help = "python with ruff that checks a rebase (default: the test env)"
+    python_help = (
+        "python with ruff that checks a rebase (default: a venv with only the "
+        "ruff the tree's .pre-commit-config.yaml pins, .cache/ruff-env-*)"
+    )
     p.add_argument("--python", type=Path, help=python_help)
     p = add("new", cmd_new, "commit workspace changes as a new patch")
     p.add_argument("name")
@@ -494,7 +499,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = add("lint-upstream", cmd_lint_upstream, "ruff on patched upstream files")
     p.add_argument("tree", type=Path)
-    p.add_argument("--python", type=Path, required=True)
+    p.add_argument(
+        "--python",
+        type=Path,
+        help="python with ruff (default: a venv with only the ruff the tree's "
+        ".pre-commit-config.yaml pins, .cache/ruff-env-*)",
+    )
     return parser
 
 

@@ -184,6 +184,23 @@ def adopt(layout: Layout, version: str) -> str:
     )
 
 
+def unexported(layout: Layout, version: str) -> list[str]:
+    """What of the rebase workspace of ``version`` ``rebased/patches`` does
+    not hold as exported: patch names, and "series" for their order."""
+    work = version_dir(layout, version)
+    patches = work / "rebased" / "patches"
+    texts = workspace.exported_texts(work / "workspace")
+    have = (
+        {p.name: p.read_text() for p in patches.glob("*.patch")}
+        if (patches / "series").is_file()
+        else {}
+    )
+    order = read_series(patches) if have else []
+    return sorted(
+        n for n in texts.keys() | have.keys() if texts.get(n) != have.get(n)
+    ) or (["series"] if order != list(texts) else [])
+
+
 def check_exported(layout: Layout, version: str) -> Path:
     """The rebase workspace of ``version``, after checking that its commits
     are what ``rebased/patches`` holds (the checks run on the workspace)."""
@@ -195,16 +212,7 @@ def check_exported(layout: Layout, version: str) -> Path:
             f"{ws} is not a workspace: no rebase onto {version} to adopt",
             f"`{layout.command} rebase-check {version} --write`",
         )
-    texts = workspace.exported_texts(ws)
-    have = (
-        {p.name: p.read_text() for p in patches.glob("*.patch")}
-        if (patches / "series").is_file()
-        else {}
-    )
-    order = read_series(patches) if have else []
-    if differ := sorted(
-        n for n in texts.keys() | have.keys() if texts.get(n) != have.get(n)
-    ) or (order != list(texts) and ["series"]):
+    if differ := unexported(layout, version):
         raise OverlayError(
             f"{patches} is not what {ws} holds: {', '.join(differ)} differ",
             f"`{layout.command} export --dir {ws}`, then adopt again",

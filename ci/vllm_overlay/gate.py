@@ -60,6 +60,19 @@ def rebased_digest(rebased: Path) -> str:
     return digest.hexdigest()
 
 
+def fix_hint(layout: Layout, version: str) -> str:
+    """Where a failure of the overlay's tests on a rebase is fixed: in the
+    series, or in the rebase's copy of the overlay's tests (whose edits
+    rebased_digest covers and adopt puts in place)."""
+    work = adopt.version_dir(layout, version)
+    ws = work / "workspace"
+    return (
+        f"fix the series in {ws} and `{layout.command} export --dir {ws}`, or "
+        f"the overlay's tests in {work / 'rebased' / 'overlay' / 'tests'} "
+        "(a new or renamed test's node id goes into ci/overlay-tests.txt)"
+    )
+
+
 def require_pass(layout: Layout, version: str) -> None:
     """Refuse unless the overlay's tests passed on exactly this rebase."""
     rebased = adopt.version_dir(layout, version) / "rebased"
@@ -81,8 +94,7 @@ def require_pass(layout: Layout, version: str) -> None:
         raise OverlayError(
             f"the overlay's tests failed on the rebase in {rebased}: "
             f"{result.get('summary', '')} (log: {result.get('log')})",
-            f"fix the series in {rebased.parent / 'workspace'}, `{layout.command} "
-            f"export --dir {rebased.parent / 'workspace'}`, then {rerun}",
+            f"{fix_hint(layout, version)}, then {rerun}",
         )
     if not result.get("complete"):
         raise OverlayError(
@@ -90,6 +102,15 @@ def require_pass(layout: Layout, version: str) -> None:
             "files (--tests); adopt needs them all",
             f"run them all: {rerun}, then adopt again",
         )
+
+
+def passed(layout: Layout, version: str) -> bool:
+    """Whether adopt would accept the overlay's tests' record of this rebase."""
+    try:
+        require_pass(layout, version)
+    except OverlayError:
+        return False
+    return True
 
 
 def test_selection(checkout: Layout) -> tuple[Path, list[str]]:
@@ -241,8 +262,7 @@ def rebase_test(layout: Layout, version: str, only: list[str] | None = None) -> 
         raise OverlayError(
             f"the overlay's tests fail on the rebase of {version} ({summary}):\n"
             f"{failures(check.stdout)}",
-            f"fix the series in {work / 'workspace'}, `{layout.command} export "
-            f"--dir {work / 'workspace'}`, then `{layout.command} rebase-test "
+            f"{fix_hint(layout, version)}, then `{layout.command} rebase-test "
             f"{version}` (log: {log})",
         )
     rerun = f"`{layout.command} rebase-test {version}`"

@@ -36,13 +36,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay import adopt, apply, workspace
+from vllm_overlay import adopt, apply, gate, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import default_index_url, fetch, list_files
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import Pin, PinnedFile, load_pin
 from vllm_overlay.series import Patch, load_series
 from vllm_overlay.source import extract_sdist, lay_scratch_tree
+from vllm_overlay.venv import tool_venv
 
 _NEEDS_HUMAN = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE}
 _VERSION_FILE = "vllm/_version.py"
@@ -230,11 +231,19 @@ def _commit_short(tree: Path) -> str:
     return match.group(1) if match else ""
 
 
+def _minor(version: str) -> tuple[str, ...]:
+    """A torch version's major.minor (``2.14.1+cpu`` -> ("2", "14"))."""
+    return tuple(re.findall(r"\d+", version)[:2])
+
+
 def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]:
     """pin.toml's text for ``release`` (its unpacked sdist at ``tree``): the
-    same file with the new tag, version, files and sha256, and both torch
-    pins read from the release's own requirement files; with one line per
-    torch pin saying where it came from."""
+    same file with the new tag, version, files and sha256, and the torch
+    pins: the official wheel's from the release's own requirement file; the
+    build venv's kept, with its comment, while it is the same minor release
+    as the release's build requirement (any CUDA build of that minor builds
+    the wheel, and the checkout's choice has its reasons), else the
+    release's. With one line per torch pin saying where it came from."""
     assert release.wheel is not None
     text = pin.path.read_text()
     for old, new in (
@@ -263,6 +272,10 @@ def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]
         table: (_torch_requirement(tree / rel, machine), rel)
         for table, rel in sources.items()
     }
+    build_value, build_rel = pins["build"]
+    keep_build = _minor(pin.build_torch) == _minor(build_value)
+    if keep_build:
+        del pins["build"]
     lines: list[str] = []
     table = ""
     for line in text.splitlines():
@@ -282,6 +295,17 @@ def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]
         f"[{table}] torch = {value!r}, from {rel} of {release.sdist.filename}"
         for table, (value, rel) in pins.items()
     ]
+    build = f"{build_rel} of {release.sdist.filename} asks {build_value!r}"
+    if keep_build:
+        notes.append(
+            f"[build] torch = {pin.build_torch!r} kept, with its comment: "
+            f"{build}, the same minor release"
+        )
+    else:
+        notes[-1] += (
+            f": the minor release differs from the checkout's "
+            f"{pin.build_torch!r}, whose comment was replaced"
+        )
     return "\n".join(lines) + "\n", notes
 
 
@@ -357,33 +381,73 @@ def write_rebased(
         except OverlayError as e:
             return f"{e.what}\n  next: {e.next_step}"
     try:
-        finish(layout, ws, release.version, None)
+        check(layout, ws, None)
     except OverlayError as e:
         return f"{e.what}\n  next: {e.next_step}"
     return None
 
 
-def checker_python(layout: Layout, given: Path | None) -> Path:
-    """The python that checks a rebased tree: ``given``, or the newest test
-    environment in the cache (it has ruff at the pinned version)."""
-    if given is not None:
-        return given
-    found = sorted(
-        (
-            p
-            for p in layout.cache.glob("test-env-*/bin/python")
-            if p.with_name("ruff").exists()
-        ),
-        key=lambda p: p.parent.stat().st_mtime,
+PRE_COMMIT_CONFIG = ".pre-commit-config.yaml"
+_RUFF_HOOKS = "astral-sh/ruff-pre-commit"
+_VERSION = re.compile(r"v?(\d+(?:\.\d+)+)")
+
+
+def pinned_ruff(tree: Path) -> str:
+    """The ruff version an upstream tree pins for its own checks: the
+    ``rev:`` of the astral-sh/ruff-pre-commit entry of its
+    .pre-commit-config.yaml, a tag (``v0.14.0``) or a commit frozen with
+    its tag in a comment (``rev: SHA  # frozen: v0.17.2``)."""
+    config = tree / PRE_COMMIT_CONFIG
+    hint = (
+        "pass --python with a python whose ruff is the version upstream uses "
+        "(`PY -m ruff --version`)"
     )
-    if not found:
+    try:
+        lines = config.read_text().splitlines()
+    except OSError as e:
         raise OverlayError(
-            f"no test environment with ruff in {layout.cache} to check the rebased "
-            "series with",
-            "make one: `./build.sh && PYTHONPATH=ci python3 -m overlay_harness.testenv "
-            f"dist/{load_pin(layout.pin).distribution}-*.whl`, or pass --python",
-        )
-    return found[-1]
+            f"{config}: cannot read it ({e.strerror}), so which ruff upstream "
+            "checks its code with is unknown",
+            hint,
+        ) from e
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*-?\s*repo:", line) and _RUFF_HOOKS in line:
+            for entry in lines[i + 1 :]:
+                if re.match(r"^\s*-?\s*repo:", entry):
+                    break
+                if rev := re.match(r"^\s*rev:\s*(.*)$", entry):
+                    value, _, comment = rev.group(1).partition("#")
+                    frozen = re.match(r"\s*frozen:\s*(\S+)", comment)
+                    for text in (value.strip().strip("'\""), frozen and frozen[1]):
+                        if text and (version := _VERSION.fullmatch(text)):
+                            return version.group(1)
+                    raise OverlayError(
+                        f"{config}: the {_RUFF_HOOKS} entry's {entry.strip()!r} "
+                        "names no ruff version (vX.Y.Z, or a commit with "
+                        "'# frozen: vX.Y.Z')",
+                        hint,
+                    )
+            break
+    raise OverlayError(
+        f"{config}: no {_RUFF_HOOKS} entry with a rev:, so which ruff upstream "
+        "checks its code with is unknown",
+        hint,
+    )
+
+
+def ruff_python(layout: Layout, tree: Path) -> Path:
+    """The python of a small cached venv that holds only the ruff ``tree``
+    pins (``.cache/ruff-env-*``): upstream's checks, without a test venv."""
+    version = pinned_ruff(tree)
+    return tool_venv(
+        layout.cache, "ruff-env", f"ruff=={version}", layout.logs / "ruff-env.log"
+    )
+
+
+def checker_python(layout: Layout, given: Path | None, tree: Path) -> Path:
+    """The python that checks a rebased ``tree``: ``given``, or one with the
+    ruff the tree's .pre-commit-config.yaml pins (``ruff_python``)."""
+    return given if given is not None else ruff_python(layout, tree)
 
 
 _COMPILE = """\
@@ -466,10 +530,35 @@ def _patches_of(ws: Path, rel: str, base: str) -> list[str]:
     ).split()
 
 
+def next_steps(layout: Layout, version: str) -> str:
+    """The commands that come next for the rebase of ``version``, in the
+    state it is in: export while its workspace holds commits that
+    ``rebased/patches`` lacks, the overlay's tests until they passed on
+    exactly that ``rebased/``, then adopt."""
+    ws = adopt.version_dir(layout, version) / "workspace"
+    test = f"`{layout.command} rebase-test {version}`"
+    adopt_it = f"`{layout.command} adopt {version}`"
+    if missing := adopt.unexported(layout, version):
+        return (
+            f"`{layout.command} export --dir {ws}` (not yet in rebased/patches: "
+            f"{', '.join(missing)}), then the overlay's tests on it: {test}, "
+            f"then {adopt_it}"
+        )
+    if not gate.passed(layout, version):
+        return f"the overlay's tests on the exported series: {test}, then {adopt_it}"
+    return f"{adopt_it} (the overlay's tests passed on exactly this rebase)"
+
+
 def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
     """Check the finished rebase in ``ws`` by running code; raise naming
-    each problem and its patch, else say what comes next."""
-    checker = checker_python(layout, python)
+    each problem and its patch, else say so and what comes next."""
+    return f"{check(layout, ws, python)}; next: {next_steps(layout, version)}"
+
+
+def check(layout: Layout, ws: Path, python: Path | None) -> str:
+    """Check the finished rebase in ``ws`` by running code; raise naming
+    each problem and its patch, else say that it passed."""
+    checker = checker_python(layout, python, ws)
     if problems := check_rebased(ws, checker):
         base = workspace.git(ws, "rev-list", "--max-parents=0", "HEAD").split()[0]
         first = next((p.split(", ")[-1] for p, _ in problems if p), "")
@@ -486,11 +575,7 @@ def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
             + "\n  ".join(f"{p}: {what}" if p else what for p, what in problems),
             f"fix them in {ws}; {fold}`{workspace.continue_hint(ws)}`",
         )
-    return (
-        f"rebased series checked (compiles, ruff clean); next: `{layout.command} "
-        f"export --dir {ws}`, then the overlay's tests on it: `{layout.command} "
-        f"rebase-test {version}`, then `{layout.command} adopt {version}`"
-    )
+    return "rebased series checked (compiles, ruff clean)"
 
 
 def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) -> int:
@@ -556,9 +641,10 @@ def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) ->
                 file=sys.stderr,
             )
         print(
-            f"{version}: {rebased / 'pin.toml'} takes both torch pins from the "
-            "release's requirement files (the build checks the wheel's own "
-            f"Requires-Dist); once exported, test it with the release's wheel: "
+            f"{version}: {rebased / 'pin.toml'} takes the official wheel's torch "
+            "pin from the release's requirement files (the build checks the "
+            "wheel's own Requires-Dist) and [build] torch as said above; once "
+            "exported, test it with the release's wheel: "
             f"`{command} rebase-test {version}`, then adopt it: `{command} adopt "
             f"{version}`",
             file=sys.stderr,

@@ -44,6 +44,16 @@ def ensure_venv(
     )
 
 
+def tool_venv(cache_dir: Path, name: str, requirement: str, log: Path) -> Path:
+    """Return the python of a venv that holds only ``requirement`` (one
+    pinned tool, e.g. ``ruff==0.17.2``), keyed by it and this Python."""
+    spec = f"{requirement}\n{sys.version}"
+    env = cache_dir / f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
+    return stamped_venv(
+        env, lambda python: pip_install(python, [requirement], log), log
+    )
+
+
 def stamped_venv(
     env: Path, fill: Callable[[Path], None], log: Path, creator: Path | None = None
 ) -> Path:
