@@ -132,15 +132,31 @@ class Mirror:
     held key keeps the BlockStored that announced it and its index there
     (``announced``); only keys without extra keys (LoRA, multimodal, cache
     salt) are indexed for ``match``, which takes plain token ids.
+
+    A key's block size is its announcing store's, never another store's of
+    its (medium, group): a partial-tail store (``hash_block_size <
+    block_size``) announces a block of the hash size beside the group's full
+    blocks. A store that cannot be matched (``block_size`` 0, as the
+    OffloadingConnector's default payload and the simple CPU offload send
+    for a hash without metadata; token ids that do not fill its blocks) is
+    held like any other and left out of the index.
     """
 
     def __init__(self, copy_semantics: str = "physical") -> None:
         self.copy_semantics = copy_semantics
         self.set = SetMirror()
         self.count = CountMirror()
-        self.block_size: dict[Tier, int] = {}
         self.announced: dict[MirrorKey, tuple[BlockStored, int]] = {}
         self._index: dict[tuple[Tier, Any, tuple[int, ...]], ExternalBlockHash] = {}
+        # Per tier, the block sizes of the indexed keys (how many of each).
+        self._sizes: dict[Tier, Counter[int]] = {}
+
+    @property
+    def block_size(self) -> dict[Tier, int]:
+        """The block size ``match`` walks per tier: the largest of the keys it
+        holds in its index (a group's full blocks; partial tails are
+        smaller)."""
+        return {tier: max(sizes) for tier, sizes in self._sizes.items()}
 
     def held(self, key: MirrorKey) -> bool:
         if self.copy_semantics == "physical":
@@ -158,32 +174,51 @@ class Mirror:
         if isinstance(event, AllBlocksCleared):
             self.announced.clear()
             self._index.clear()
+            self._sizes.clear()
         elif isinstance(event, BlockStored):
             self._announce(event)
         elif isinstance(event, BlockRemoved):
             for key in _keys(event):
                 if key in self.announced and not self.held(key):
-                    parent, tokens = block_fields(*self.announced.pop(key))[:2]
+                    announced = self.announced.pop(key)
+                    parent, tokens, size = block_fields(*announced)[:3]
                     if self._index.get((key[:2], parent, tokens)) == key[2]:
                         del self._index[(key[:2], parent, tokens)]
+                        sizes = self._sizes[key[:2]]
+                        sizes[size] -= 1
+                        if not sizes[size]:
+                            del sizes[size]
+                            if not sizes:
+                                del self._sizes[key[:2]]
 
     def _announce(self, event: BlockStored) -> None:
         tier = (event.medium, event.group_idx)
-        self.block_size[tier] = event.block_size
+        size = event.block_size
         plain = event.lora_name is None and (
             event.extra_keys is None or not any(event.extra_keys)
         )
-        whole = len(event.token_ids) == event.block_size * len(event.block_hashes)
+        matchable = (
+            plain
+            and isinstance(size, int)
+            and size > 0
+            and len(event.token_ids) == size * len(event.block_hashes)
+        )
         for i, block_hash in enumerate(event.block_hashes):
             key = (*tier, block_hash)
             if key not in self.announced:
                 self.announced[key] = (event, i)
-                if plain and whole:
+                if matchable:
                     parent, tokens = block_fields(event, i)[:2]
-                    self._index[(tier, parent, tokens)] = block_hash
+                    entry = (tier, parent, tokens)
+                    if entry not in self._index:
+                        sizes = self._sizes.setdefault(tier, Counter())
+                        sizes[size] += 1
+                    self._index[entry] = block_hash
 
     def match(self, token_ids: Sequence[int]) -> dict[Tier, int]:
-        """Leading full blocks of ``token_ids`` held, per (medium, group)."""
+        """Leading full blocks of ``token_ids`` held, per (medium, group)
+        that holds a matchable key. A tier's block size is the largest one of
+        its indexed keys, each key's size the one its own store announced."""
         matched: dict[Tier, int] = {}
         for tier, size in self.block_size.items():
             parent: Any = None
