@@ -7,8 +7,10 @@ subscribe to the live stream first and buffer it; recover by an
 epoch-checked replay from the next expected ``seq`` when the publisher still
 buffers it, by a state snapshot otherwise (always at start); apply the
 buffered live batches from the resume ``seq``; recover again on a gap, on a
-publisher restart (a new epoch) and, when the stream is idle, on a status
-poll that shows batches it never received. Against a publisher without the
+publisher restart (a new epoch, checked after every reconnection of the SUB
+socket and every removal of a key it does not hold, whatever the new epoch's
+``seq``), on a snapshot that lost a batch and, when the stream is idle, on a
+status poll that shows batches it never received. Against a publisher without the
 snapshot service (an official vLLM), it can only replay.
 
 It keeps a set mirror and a counting mirror per (medium, group), the metadata
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -277,6 +280,8 @@ class Follower:
     MAX_PENDING = 100_000
     # Times an unanswered replay-socket request is sent again (``request``).
     REQUEST_RETRIES = 2
+    # Snapshots asked for before an incomplete one is a RecoveryFailed.
+    SNAPSHOT_TRIES = 3
 
     def __init__(
         self,
@@ -295,6 +300,13 @@ class Follower:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # Every (re)connection of the SUB socket: a restarted publisher on the
+        # same ports looks like one, whatever seq its new epoch has reached.
+        self._sub_events = self._sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+        )
+        self._connections = 0
+        self._reconnected = False
         (self._sub.bind if bind else self._sub.connect)(endpoint)
         self._req = self._dealer()
         self._forced_semantics = copy_semantics
@@ -309,6 +321,8 @@ class Follower:
         self.stats = Stats()
 
     def close(self) -> None:
+        self._sub.disable_monitor()
+        self._sub_events.close(linger=0)
         self._sub.close(linger=0)
         self._req.close(linger=0)
 
@@ -371,12 +385,42 @@ class Follower:
         many were read."""
         read = 0
         timeout = int(timeout_s * 1000)
+        self._check_connections()
         while self._sub.poll(timeout):
             _, seq_bytes, payload = self._sub.recv_multipart()
-            self.on_live(int.from_bytes(seq_bytes, "big"), payload)
+            # A connection is reported before its first batch can arrive. A
+            # batch that a recovery followed is in what it recovered.
+            if not self._check_connections():
+                self.on_live(int.from_bytes(seq_bytes, "big"), payload)
             read += 1
             timeout = 0
         return read
+
+    def _check_connections(self) -> bool:
+        """After a new connection of the SUB socket (any but the first), ask
+        the publisher's status before the next batch is applied: a publisher
+        restarted on the same ports counts from 0 again and can reach the
+        consumer's next seq. True when that started a recovery."""
+        while self._sub_events.poll(0):
+            zmq.utils.monitor.recv_monitor_message(self._sub_events)
+            self._connections += 1
+            if self._connections > 1:
+                self._reconnected = True
+        if self._reconnected and self.synced:
+            return self._verify_epoch()
+        return False
+
+    def _verify_epoch(self) -> bool:
+        """Ask the publisher's status; on a new epoch recover. True when it
+        recovered."""
+        self._reconnected = False
+        status = self.status()
+        if status is None or status["epoch"] == self.epoch:
+            return False
+        # Kept batches came from the old publisher or are in the recovery.
+        self.pending.clear()
+        self.recover(status)
+        return True
 
     def on_live(self, seq: int, payload: bytes) -> None:
         if not self.synced or self.next_seq is None:
@@ -401,10 +445,21 @@ class Follower:
             del self.pending[min(self.pending)]
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        unknown = self._unknown_removals()
         for event in self._decoder.decode(payload).events:
             self.mirror.apply(event)
         self.next_seq = seq + 1
         self.stats.applied += 1
+        if self.synced and self._unknown_removals() > unknown:
+            # A removal of a key never held: the stream is not the one the
+            # mirror follows (a restart whose seq caught up, a lost batch).
+            self._verify_epoch()
+
+    def _unknown_removals(self) -> int:
+        mirror = self.mirror
+        if mirror.copy_semantics == "physical":
+            return len(mirror.count.unknown_removals)
+        return len(mirror.set.unknown_removals)
 
     # -- recovery -----------------------------------------------------------
 
@@ -448,6 +503,7 @@ class Follower:
         """Recover the exact state: replay inside the buffer, snapshot beyond
         it, then the live batches kept meanwhile."""
         self.synced = False
+        self._reconnected = False
         if status is None:
             status = self.status()
         if status is None:
@@ -479,11 +535,22 @@ class Follower:
         return True
 
     def _snapshot(self) -> None:
-        reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
-        end = reply.end
-        if end is None or end["status"] != "ok":
-            reason = "no snapshot service" if end is None else end["reason"]
-            raise RecoveryFailed(f"snapshot refused: {reason}")
+        """Apply a whole snapshot; one whose end marker counts other batches
+        than arrived (a dropped frame) is an anomaly and is asked again."""
+        for _ in range(self.SNAPSHOT_TRIES):
+            reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
+            end = reply.end
+            if end is None or end["status"] != "ok":
+                reason = "no snapshot service" if end is None else end["reason"]
+                raise RecoveryFailed(f"snapshot refused: {reason}")
+            if len(reply.batches) == end["batches"]:
+                break
+            self.anomaly(
+                f"snapshot incomplete: {len(reply.batches)} of {end['batches']} "
+                "batches arrived"
+            )
+        else:
+            raise RecoveryFailed(f"no whole snapshot in {self.SNAPSHOT_TRIES} tries")
         for _, payload in reply.batches:
             for event in self._decoder.decode(payload).events:
                 self.mirror.apply(event)
