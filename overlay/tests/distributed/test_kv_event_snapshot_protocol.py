@@ -268,3 +268,95 @@ def test_cli_once_prints_the_state_and_the_prefix_match(capsys):
         assert state["match"] == {"GPU/0": 2}
     finally:
         pub.shutdown()
+
+
+def _stores(pub: ZmqEventPublisher, hashes) -> None:
+    for h in hashes:
+        pub.publish(KVEventBatch(ts=0.0, events=[stored([h])]))
+
+
+def _follow(follower: Follower, until, timeout_s: float = 10.0) -> None:
+    """Read the live stream only (no status poll, as under steady traffic)
+    until ``until()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not until() and time.monotonic() < deadline:
+        follower.poll(0.05)
+
+
+def test_a_restart_that_reaches_the_next_seq_is_not_applied_blindly():
+    # The old engine sent seqs 0-2; the new one, on the same ports, sends
+    # seqs 0-2 before the consumer's SUB socket reconnects, then seq 3, the
+    # consumer's next seq, under steady traffic: only the epoch tells.
+    ports = _free_port(), _free_port()
+    endpoints = [f"tcp://*:{p}" for p in ports]
+    first = ZmqEventPublisher(0, endpoint=endpoints[0], replay_endpoint=endpoints[1])
+    follower = Follower(*[f"tcp://127.0.0.1:{p}" for p in ports])
+    try:
+        follower.sync()
+        _stores(first, (1, 2, 3))
+        follower.sync(min_next_seq=3)
+        assert follower.next_seq == 3
+        first.shutdown()
+        second = _rebind(endpoints)
+        try:
+            _stores(second, (7, 8, 9))
+            # Let the SUB socket reconnect and subscribe (ZMQ retries every
+            # 100 ms), without reading anything.
+            time.sleep(1.0)
+            _stores(second, (10, 11, 12, 13))
+            second.publish(
+                KVEventBatch(
+                    ts=0.0,
+                    events=[BlockRemoved(block_hashes=[7], medium="GPU", group_idx=0)],
+                )
+            )
+            want = {("GPU", 0, h) for h in (8, 9, 10, 11, 12, 13)}
+            _follow(
+                follower,
+                lambda: follower.next_seq == 8 and follower.mirror.held_keys() == want,
+            )
+            assert follower.mirror.held_keys() == want
+            assert follower.next_seq == 8
+            assert any(a.startswith("restart") for a in follower.stats.anomalies)
+        finally:
+            second.shutdown()
+    finally:
+        follower.close()
+
+
+class SmallSnapshotBatches(ZmqEventPublisher):
+    """The real publisher, with snapshots of a few keys per batch."""
+
+    SNAPSHOT_KEYS_PER_BATCH = 2
+
+
+class LosesOneSnapshotBatch(Follower):
+    """A consumer whose transport drops one data frame of its first
+    snapshot answer (as a ROUTER at its send high-water mark does)."""
+
+    lost = 0
+
+    def _request_once(self, request: bytes):
+        reply = super()._request_once(request)
+        is_snapshot = msgspec.msgpack.decode(request) == {"op": "snapshot"}
+        if reply is not None and is_snapshot and not self.lost:
+            del reply.batches[1]
+            self.lost += 1
+        return reply
+
+
+def test_a_snapshot_missing_a_batch_is_an_anomaly_and_asked_again():
+    pub = SmallSnapshotBatches(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    try:
+        pub.publish(KVEventBatch(ts=0.0, events=[stored([1, 2, 3, 4, 5, 6])]))
+        follower = LosesOneSnapshotBatch(*_endpoints(pub))
+        try:
+            follower.sync(min_next_seq=1)
+            assert follower.lost == 1
+            assert follower.mirror.held_keys() == {("GPU", 0, h) for h in range(1, 7)}
+            anomalies = follower.stats.anomalies
+            assert any(a.startswith("snapshot incomplete") for a in anomalies)
+        finally:
+            follower.close()
+    finally:
+        pub.shutdown()

@@ -7,8 +7,10 @@ subscribe to the live stream first and buffer it; recover by an
 epoch-checked replay from the next expected ``seq`` when the publisher still
 buffers it, by a state snapshot otherwise (always at start); apply the
 buffered live batches from the resume ``seq``; recover again on a gap, on a
-publisher restart (a new epoch) and, when the stream is idle, on a status
-poll that shows batches it never received. Against a publisher without the
+publisher restart (a new epoch, checked after every reconnection of the SUB
+socket and every removal of a key it does not hold, whatever the new epoch's
+``seq``), on a snapshot that lost a batch and, when the stream is idle, on a
+status poll that shows batches it never received. Against a publisher without the
 snapshot service (an official vLLM), it can only replay.
 
 It keeps a set mirror and a counting mirror per (medium, group), the metadata
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -132,15 +135,31 @@ class Mirror:
     held key keeps the BlockStored that announced it and its index there
     (``announced``); only keys without extra keys (LoRA, multimodal, cache
     salt) are indexed for ``match``, which takes plain token ids.
+
+    A key's block size is its announcing store's, never another store's of
+    its (medium, group): a partial-tail store (``hash_block_size <
+    block_size``) announces a block of the hash size beside the group's full
+    blocks. A store that cannot be matched (``block_size`` 0, as the
+    OffloadingConnector's default payload and the simple CPU offload send
+    for a hash without metadata; token ids that do not fill its blocks) is
+    held like any other and left out of the index.
     """
 
     def __init__(self, copy_semantics: str = "physical") -> None:
         self.copy_semantics = copy_semantics
         self.set = SetMirror()
         self.count = CountMirror()
-        self.block_size: dict[Tier, int] = {}
         self.announced: dict[MirrorKey, tuple[BlockStored, int]] = {}
         self._index: dict[tuple[Tier, Any, tuple[int, ...]], ExternalBlockHash] = {}
+        # Per tier, the block sizes of the indexed keys (how many of each).
+        self._sizes: dict[Tier, Counter[int]] = {}
+
+    @property
+    def block_size(self) -> dict[Tier, int]:
+        """The block size ``match`` walks per tier: the largest of the keys it
+        holds in its index (a group's full blocks; partial tails are
+        smaller)."""
+        return {tier: max(sizes) for tier, sizes in self._sizes.items()}
 
     def held(self, key: MirrorKey) -> bool:
         if self.copy_semantics == "physical":
@@ -158,32 +177,51 @@ class Mirror:
         if isinstance(event, AllBlocksCleared):
             self.announced.clear()
             self._index.clear()
+            self._sizes.clear()
         elif isinstance(event, BlockStored):
             self._announce(event)
         elif isinstance(event, BlockRemoved):
             for key in _keys(event):
                 if key in self.announced and not self.held(key):
-                    parent, tokens = block_fields(*self.announced.pop(key))[:2]
+                    announced = self.announced.pop(key)
+                    parent, tokens, size = block_fields(*announced)[:3]
                     if self._index.get((key[:2], parent, tokens)) == key[2]:
                         del self._index[(key[:2], parent, tokens)]
+                        sizes = self._sizes[key[:2]]
+                        sizes[size] -= 1
+                        if not sizes[size]:
+                            del sizes[size]
+                            if not sizes:
+                                del self._sizes[key[:2]]
 
     def _announce(self, event: BlockStored) -> None:
         tier = (event.medium, event.group_idx)
-        self.block_size[tier] = event.block_size
+        size = event.block_size
         plain = event.lora_name is None and (
             event.extra_keys is None or not any(event.extra_keys)
         )
-        whole = len(event.token_ids) == event.block_size * len(event.block_hashes)
+        matchable = (
+            plain
+            and isinstance(size, int)
+            and size > 0
+            and len(event.token_ids) == size * len(event.block_hashes)
+        )
         for i, block_hash in enumerate(event.block_hashes):
             key = (*tier, block_hash)
             if key not in self.announced:
                 self.announced[key] = (event, i)
-                if plain and whole:
+                if matchable:
                     parent, tokens = block_fields(event, i)[:2]
-                    self._index[(tier, parent, tokens)] = block_hash
+                    entry = (tier, parent, tokens)
+                    if entry not in self._index:
+                        sizes = self._sizes.setdefault(tier, Counter())
+                        sizes[size] += 1
+                    self._index[entry] = block_hash
 
     def match(self, token_ids: Sequence[int]) -> dict[Tier, int]:
-        """Leading full blocks of ``token_ids`` held, per (medium, group)."""
+        """Leading full blocks of ``token_ids`` held, per (medium, group)
+        that holds a matchable key. A tier's block size is the largest one of
+        its indexed keys, each key's size the one its own store announced."""
         matched: dict[Tier, int] = {}
         for tier, size in self.block_size.items():
             parent: Any = None
@@ -242,6 +280,8 @@ class Follower:
     MAX_PENDING = 100_000
     # Times an unanswered replay-socket request is sent again (``request``).
     REQUEST_RETRIES = 2
+    # Snapshots asked for before an incomplete one is a RecoveryFailed.
+    SNAPSHOT_TRIES = 3
 
     def __init__(
         self,
@@ -260,6 +300,13 @@ class Follower:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # Every (re)connection of the SUB socket: a restarted publisher on the
+        # same ports looks like one, whatever seq its new epoch has reached.
+        self._sub_events = self._sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+        )
+        self._connections = 0
+        self._reconnected = False
         (self._sub.bind if bind else self._sub.connect)(endpoint)
         self._req = self._dealer()
         self._forced_semantics = copy_semantics
@@ -274,6 +321,8 @@ class Follower:
         self.stats = Stats()
 
     def close(self) -> None:
+        self._sub.disable_monitor()
+        self._sub_events.close(linger=0)
         self._sub.close(linger=0)
         self._req.close(linger=0)
 
@@ -336,12 +385,42 @@ class Follower:
         many were read."""
         read = 0
         timeout = int(timeout_s * 1000)
+        self._check_connections()
         while self._sub.poll(timeout):
             _, seq_bytes, payload = self._sub.recv_multipart()
-            self.on_live(int.from_bytes(seq_bytes, "big"), payload)
+            # A connection is reported before its first batch can arrive. A
+            # batch that a recovery followed is in what it recovered.
+            if not self._check_connections():
+                self.on_live(int.from_bytes(seq_bytes, "big"), payload)
             read += 1
             timeout = 0
         return read
+
+    def _check_connections(self) -> bool:
+        """After a new connection of the SUB socket (any but the first), ask
+        the publisher's status before the next batch is applied: a publisher
+        restarted on the same ports counts from 0 again and can reach the
+        consumer's next seq. True when that started a recovery."""
+        while self._sub_events.poll(0):
+            zmq.utils.monitor.recv_monitor_message(self._sub_events)
+            self._connections += 1
+            if self._connections > 1:
+                self._reconnected = True
+        if self._reconnected and self.synced:
+            return self._verify_epoch()
+        return False
+
+    def _verify_epoch(self) -> bool:
+        """Ask the publisher's status; on a new epoch recover. True when it
+        recovered."""
+        self._reconnected = False
+        status = self.status()
+        if status is None or status["epoch"] == self.epoch:
+            return False
+        # Kept batches came from the old publisher or are in the recovery.
+        self.pending.clear()
+        self.recover(status)
+        return True
 
     def on_live(self, seq: int, payload: bytes) -> None:
         if not self.synced or self.next_seq is None:
@@ -366,10 +445,21 @@ class Follower:
             del self.pending[min(self.pending)]
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        unknown = self._unknown_removals()
         for event in self._decoder.decode(payload).events:
             self.mirror.apply(event)
         self.next_seq = seq + 1
         self.stats.applied += 1
+        if self.synced and self._unknown_removals() > unknown:
+            # A removal of a key never held: the stream is not the one the
+            # mirror follows (a restart whose seq caught up, a lost batch).
+            self._verify_epoch()
+
+    def _unknown_removals(self) -> int:
+        mirror = self.mirror
+        if mirror.copy_semantics == "physical":
+            return len(mirror.count.unknown_removals)
+        return len(mirror.set.unknown_removals)
 
     # -- recovery -----------------------------------------------------------
 
@@ -413,6 +503,7 @@ class Follower:
         """Recover the exact state: replay inside the buffer, snapshot beyond
         it, then the live batches kept meanwhile."""
         self.synced = False
+        self._reconnected = False
         if status is None:
             status = self.status()
         if status is None:
@@ -444,11 +535,22 @@ class Follower:
         return True
 
     def _snapshot(self) -> None:
-        reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
-        end = reply.end
-        if end is None or end["status"] != "ok":
-            reason = "no snapshot service" if end is None else end["reason"]
-            raise RecoveryFailed(f"snapshot refused: {reason}")
+        """Apply a whole snapshot; one whose end marker counts other batches
+        than arrived (a dropped frame) is an anomaly and is asked again."""
+        for _ in range(self.SNAPSHOT_TRIES):
+            reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
+            end = reply.end
+            if end is None or end["status"] != "ok":
+                reason = "no snapshot service" if end is None else end["reason"]
+                raise RecoveryFailed(f"snapshot refused: {reason}")
+            if len(reply.batches) == end["batches"]:
+                break
+            self.anomaly(
+                f"snapshot incomplete: {len(reply.batches)} of {end['batches']} "
+                "batches arrived"
+            )
+        else:
+            raise RecoveryFailed(f"no whole snapshot in {self.SNAPSHOT_TRIES} tries")
         for _, payload in reply.batches:
             for event in self._decoder.decode(payload).events:
                 self.mirror.apply(event)
