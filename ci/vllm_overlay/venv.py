@@ -1,11 +1,15 @@
 """Virtual environments under the cache, keyed by what goes into them.
 
 A venv is reused only when its ``.complete`` stamp exists, which is written
-last: an interrupted bootstrap is removed and made again.
+last: an interrupted bootstrap is removed and made again. Checkouts and
+worktrees share one cache, so a venv is made under an exclusive lock beside
+it: a second process that wants the same venv waits for the first instead of
+deleting the half-made venv under it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
 import sys
@@ -64,12 +68,17 @@ def stamped_venv(
     stamp = env / ".complete"
     if stamp.exists():
         return python
-    if env.exists():
-        shutil.rmtree(env)
-    print(f"  creating {env.name}", file=sys.stderr)
-    run_logged([str(creator or sys.executable), "-m", "venv", str(env)], log)
-    fill(python)
-    stamp.write_text(env.name)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with (env.parent / f"{env.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists():  # made by the process that held the lock
+            return python
+        if env.exists():
+            shutil.rmtree(env)
+        print(f"  creating {env.name}", file=sys.stderr)
+        run_logged([str(creator or sys.executable), "-m", "venv", str(env)], log)
+        fill(python)
+        stamp.write_text(env.name)
     return python
 
 
