@@ -14,6 +14,7 @@ import time
 import msgspec
 import pytest
 import zmq
+
 from vllm.distributed import kv_events_consumer
 from vllm.distributed.kv_events import (
     BlockRemoved,

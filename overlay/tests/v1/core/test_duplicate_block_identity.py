@@ -14,6 +14,8 @@ import random
 
 import pytest
 import torch
+
+from tests.v1.core.block_pool_view import copies, new_block_map
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -40,8 +42,6 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
-
-from tests.v1.core.block_pool_view import copies, new_block_map
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

@@ -14,6 +14,13 @@ import random
 
 import pytest
 import torch
+
+from tests.v1.core.block_pool_view import model_runner_output
+from tests.v1.core.test_duplicate_block_identity import (
+    assert_index_consistent,
+    block_keys,
+    copies,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -39,13 +46,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
-
-from tests.v1.core.block_pool_view import model_runner_output
-from tests.v1.core.test_duplicate_block_identity import (
-    assert_index_consistent,
-    block_keys,
-    copies,
-)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

@@ -21,6 +21,8 @@ import inspect
 
 import pytest
 import torch
+
+from tests.v1.core.block_pool_view import copies
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -37,8 +39,6 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
-
-from tests.v1.core.block_pool_view import copies
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

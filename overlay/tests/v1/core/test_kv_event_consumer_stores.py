@@ -20,6 +20,7 @@ import json
 import pytest
 import torch
 
+from tests.v1.core.block_pool_view import model_runner_output
 from tests.v1.core.test_duplicate_block_identity_scheduler import (
     EOS_TOKEN_ID,
     MAX_MODEL_LEN,
@@ -65,7 +66,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -170,14 +170,7 @@ def run_to_completion(scheduler: Scheduler) -> None:
             sampled.append([5] if req.num_computed_tokens >= req.num_tokens else [])
         scheduler.update_from_output(
             out,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            ),
+            model_runner_output(req_ids, sampled),
         )
 
 

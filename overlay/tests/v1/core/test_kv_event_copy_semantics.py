@@ -21,6 +21,8 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 import torch
+
+from tests.v1.core.block_pool_view import new_block_map
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -57,8 +59,6 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
-
-from tests.v1.core.block_pool_view import new_block_map
 
 pytestmark = pytest.mark.cpu_test
 

@@ -36,6 +36,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,

@@ -16,11 +16,11 @@ import random
 from collections import Counter
 
 import pytest
-from vllm.distributed.kv_events import ZmqEventPublisher
-from vllm.distributed.kv_events_consumer import Follower, block_fields
 
 from tests.v1.core.kv_event_mirrors import resident_copies
 from tests.v1.core.test_kv_event_stream_fuzz import CONFIGS, Run, model_dir
+from vllm.distributed.kv_events import ZmqEventPublisher
+from vllm.distributed.kv_events_consumer import Follower, block_fields
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

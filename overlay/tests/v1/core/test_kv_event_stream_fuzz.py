@@ -28,6 +28,18 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
+from tests.v1.core.block_pool_view import model_runner_output
+from tests.v1.core.kv_event_mirrors import CountMirror, SetMirror, resident_copies
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    EOS_TOKEN_ID,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    _make_kv_cache_config,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -56,18 +68,6 @@ from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadWorkerMetadata,
 )
 from vllm.v1.structured_output import StructuredOutputManager
-
-from tests.v1.core.block_pool_view import model_runner_output
-from tests.v1.core.kv_event_mirrors import CountMirror, SetMirror, resident_copies
-from tests.v1.core.test_duplicate_block_identity_scheduler import (
-    EOS_TOKEN_ID,
-    TINY_OPT_CONFIG,
-    tiny_model_config,
-)
-from tests.v1.simple_kv_offload.test_scheduler import (
-    _BYTES_PER_BLOCK,
-    _make_kv_cache_config,
-)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

@@ -17,6 +17,11 @@ the tier list the check reads.
 """
 
 import pytest
+
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    tiny_model_config,
+)
+from tests.v1.core.test_kv_event_stream_edges import model_dir  # noqa: F401
 from vllm.config import (
     DeviceConfig,
     KVEventsConfig,
@@ -24,11 +29,6 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.kv_transfer import kv_event_cpu_tiers
-
-from tests.v1.core.test_duplicate_block_identity_scheduler import (
-    tiny_model_config,
-)
-from tests.v1.core.test_kv_event_stream_edges import model_dir  # noqa: F401
 
 OFFLOADING = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
 SIMPLE_CPU = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both"}

@@ -30,21 +30,6 @@ import time
 from concurrent.futures import Future
 
 import pytest
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.config.kv_events import KVEventsConfig
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared
-from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EngineCoreRequest
-from vllm.v1.engine.core import EngineCore
-from vllm.v1.executor.abstract import Executor
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.outputs import ModelRunnerOutput
 
 from tests.v1.core.block_pool_view import model_runner_output
 from tests.v1.core.test_duplicate_block_identity_scheduler import (
@@ -68,6 +53,21 @@ from tests.v1.simple_kv_offload.test_scheduler import (
     HEAD_SIZE,
     NUM_KV_HEADS,
 )
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.config.kv_events import KVEventsConfig
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import ModelRunnerOutput
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

@@ -15,6 +15,17 @@ The model config comes from a local directory, so no model hub is needed.
 import json
 
 import pytest
+
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    MAX_MODEL_LEN,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    BLOCK_SIZE,
+    _make_kv_cache_config,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -41,17 +52,6 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
-
-from tests.v1.core.test_duplicate_block_identity_scheduler import (
-    MAX_MODEL_LEN,
-    TINY_OPT_CONFIG,
-    tiny_model_config,
-)
-from tests.v1.simple_kv_offload.test_scheduler import (
-    _BYTES_PER_BLOCK,
-    BLOCK_SIZE,
-    _make_kv_cache_config,
-)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

@@ -23,6 +23,17 @@ import json
 from collections import Counter
 
 import pytest
+
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    MAX_MODEL_LEN,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    BLOCK_SIZE,
+    _make_kv_cache_config,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -53,17 +64,6 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.request import Request
-
-from tests.v1.core.test_duplicate_block_identity_scheduler import (
-    MAX_MODEL_LEN,
-    TINY_OPT_CONFIG,
-    tiny_model_config,
-)
-from tests.v1.simple_kv_offload.test_scheduler import (
-    _BYTES_PER_BLOCK,
-    BLOCK_SIZE,
-    _make_kv_cache_config,
-)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
