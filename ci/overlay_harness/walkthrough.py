@@ -32,7 +32,7 @@ GIT_IDENTITY = {
 # The checks' finding that the rebase's 0005 uses a name 0.32.0 lacks.
 UNDEFINED_IN_0005 = re.compile(
     r"(0005-\S+\.patch): (\S+events\.py):\d+:\d+: "
-    r"F821 Undefined name `_PRIMARY_RESIDENCY`"
+    r"F821 Undefined name `_PRIMARY_RESIDENCY(?:_BIT)?`"
 )
 
 # What the test gate finds on that rebase: 0008's snapshot merges cleanly,
