@@ -188,7 +188,6 @@ def run_trace(
     model_dir: str, trace_name: str, seed: int, num_requests: int, policy: str | None
 ) -> dict[str, Any]:
     from vllm.config import KVEventsConfig
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     build, num_blocks, max_num_seqs = TRACES[trace_name]
     kv_events: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "null"}
@@ -235,11 +234,8 @@ def run_trace(
                 queries += stats.prefix_cache_stats.queries
                 hits += stats.prefix_cache_stats.hits
                 preemptions += stats.prefix_cache_stats.preempted_requests
-        cache = pool.cached_block_hash_to_block._cache
-        if cache:
-            counts = [
-                1 if isinstance(v, KVCacheBlock) else len(v) for v in cache.values()
-            ]
+        counts = bl.copies_per_key(pool)
+        if counts:
             mean_copies.append(sum(counts) / len(counts))
             max_copies = max(max_copies, max(counts))
             dup_keys.append(sum(1 for c in counts if c > 1))

