@@ -380,6 +380,11 @@ def wheel_members(tree: Path, engine_wheel: Path) -> dict[str, bytes]:
     }
 
 
+def wheel_name(version: str) -> str:
+    """The consumer wheel's file name for the engine version ``version``."""
+    return f"{PACKAGE}-{version}-py3-none-any.whl"
+
+
 def build_consumer_wheel(
     tree: Path, engine_wheel: Path, out_dir: Path, epoch: int
 ) -> Path:
@@ -397,7 +402,7 @@ def build_consumer_wheel(
         for old in out_dir.iterdir():
             old.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
-    wheel = out_dir / f"{PACKAGE}-{version}-py3-none-any.whl"
+    wheel = out_dir / wheel_name(version)
     stamp = time.gmtime(max(epoch, 315532800))[:6]  # zip dates start in 1980
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, data in members.items():
