@@ -404,3 +404,15 @@ def test_build_refuses_a_consumer_that_imports_the_engine() -> None:
     )
     with pytest.raises(OverlayError, match="imports vllm.config.kv_events"):
         consumer_dist.schema_names(broken)
+
+
+def test_operators_guide_shows_both_ways() -> None:
+    """docs/operators.md installs dist/'s consumer wheel into a venv and runs
+    its command with the ports of the in-image command, which
+    tests/test_doc_examples.py runs against the README's run line."""
+    text = (REPO.root / "docs" / "operators.md").read_text()
+    assert f"pip install dist/{consumer_dist.PACKAGE}-" in text
+    image = "python -m vllm.distributed.kv_events_consumer --endpoint tcp://HOST:5557"
+    standalone = f"{consumer_dist.SCRIPT} --endpoint tcp://HOST:5557"
+    for command in (image, standalone):
+        assert f"{command} --replay-endpoint tcp://HOST:6557" in text, command
