@@ -19,6 +19,7 @@ from vllm_overlay import (
     apply,
     backport,
     build,
+    consumer_dist,
     dist,
     fetch,
     gate,
@@ -177,7 +178,22 @@ def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_publish(layout: Layout, args: argparse.Namespace) -> str:
-    return str(dist.publish(args.wheel, layout.dist, layout.build))
+    return str(dist.publish(args.wheel, layout.dist, layout.build, also=args.also))
+
+
+def cmd_build_consumer(layout: Layout, args: argparse.Namespace) -> str:
+    """The reference consumer's own wheel (consumer_dist.py), from a tree
+    and the engine wheel built from it (its version and requirements)."""
+    patches = series.load_series(layout.patches)
+    pin = load_pin(layout.pin)
+    return str(
+        consumer_dist.build_consumer_wheel(
+            args.tree,
+            args.wheel,
+            layout.consumer_wheel_dir,
+            series.source_date_epoch(patches, pin.source_date),
+        )
+    )
 
 
 def _step(text: str) -> None:
@@ -212,8 +228,12 @@ def _build(layout: Layout, args: argparse.Namespace) -> str:
     wheel, sha256 = _build_wheel(layout, wheel_args)
     _step("check the wheel against the official one")
     cmd_check_wheel(layout, ns(wheel=wheel, tree=tree, official=official))
+    also = []
+    if not layout.target:  # one consumer wheel: the main target's schema
+        _step(f"build the consumer wheel ({consumer_dist.DISTRIBUTION})")
+        also.append(Path(cmd_build_consumer(layout, ns(tree=tree, wheel=wheel))))
     _step("publish to dist/")
-    published = str(dist.publish(wheel, layout.dist, layout.build, sha256))
+    published = str(dist.publish(wheel, layout.dist, layout.build, sha256, also))
     print(cmd_manifest(layout, ns(tree=tree)), file=sys.stderr)
     return published
 
@@ -411,9 +431,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("wheel", type=Path)
     p.add_argument("--tree", type=Path, required=True)
     p.add_argument("--official", type=Path, required=True)
-    add("publish", cmd_publish, "move a checked wheel into dist/").add_argument(
-        "wheel", type=Path
+    p = add("publish", cmd_publish, "move a checked wheel into dist/")
+    p.add_argument("wheel", type=Path)
+    p.add_argument(
+        "--also",
+        type=Path,
+        action="append",
+        default=[],
+        help="another wheel to publish in the same swap (the consumer wheel)",
     )
+    p = add(
+        "build-consumer",
+        cmd_build_consumer,
+        f"the {consumer_dist.DISTRIBUTION} wheel of a tree (main target)",
+    )
+    p.add_argument("tree", type=Path)
+    p.add_argument("--wheel", type=Path, required=True, help="its engine wheel")
     add("lint", cmd_lint, "check the series and its DEP-3 headers")
     p = add("workspace", cmd_workspace, "the series as git commits in build/workspace")
     p.add_argument("--upto", metavar="PATCH", help="stop after this patch")

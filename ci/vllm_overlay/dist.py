@@ -8,7 +8,7 @@ import errno
 import fcntl
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
@@ -63,12 +63,18 @@ def refuse_symlink(dist: Path) -> None:
 
 
 def publish(
-    wheel: Path, dist: Path, staging_root: Path, sha256: str | None = None
+    wheel: Path,
+    dist: Path,
+    staging_root: Path,
+    sha256: str | None = None,
+    also: Sequence[Path] = (),
 ) -> Path:
     """Make ``dist`` hold ``wheel`` and its ``.sha256`` (``sha256``, taken
     while the wheel was written, or hashed here) in place of every earlier
     file of the same distribution; the other distributions' files (another
-    target's wheel) stay as they are.
+    target's wheel) stay as they are. The wheels of ``also`` (the consumer
+    wheel built beside the engine's) go in with it, in the same swap, so
+    dist/ never holds one without the other of the same build.
 
     The new contents are assembled next to ``dist`` and swapped in with one
     rename, so an interrupted or failed build leaves ``dist`` as it was, and
@@ -79,7 +85,11 @@ def publish(
     try:
         dist.parent.mkdir(parents=True, exist_ok=True)
         with locked(dist.parent):
-            _publish(wheel, dist, staging_root / "dist.new", sha256)
+            _publish(
+                [(wheel, sha256), *((w, None) for w in also)],
+                dist,
+                staging_root / "dist.new",
+            )
     except OSError as e:
         with contextlib.suppress(OSError):
             remove_path(staging_root / "dist.new")
@@ -93,19 +103,20 @@ def publish(
     return dist / wheel.name
 
 
-def _publish(wheel: Path, dist: Path, staging: Path, sha256: str | None) -> None:
+def _publish(wheels: list[tuple[Path, str | None]], dist: Path, staging: Path) -> None:
     remove_path(staging)
     staging.mkdir(parents=True)
     if dist.exists():
-        ours = distribution_of(wheel.name)
+        ours = {distribution_of(wheel.name) for wheel, _ in wheels}
         for kept in dist.iterdir():
-            if distribution_of(kept.name) != ours:
+            if distribution_of(kept.name) not in ours:
                 _link_or_copy(kept, staging / kept.name)
-    target = staging / wheel.name
-    _link_or_copy(wheel, target)
-    (staging / f"{wheel.name}.sha256").write_text(
-        f"{sha256 or sha256_of(target)}  {wheel.name}\n"
-    )
+    for wheel, sha256 in wheels:
+        target = staging / wheel.name
+        _link_or_copy(wheel, target)
+        (staging / f"{wheel.name}.sha256").write_text(
+            f"{sha256 or sha256_of(target)}  {wheel.name}\n"
+        )
     if dist.exists():
         _exchange(staging, dist)
     else:

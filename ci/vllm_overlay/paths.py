@@ -99,6 +99,11 @@ class Layout:
         return self.build / "wheel"
 
     @property
+    def consumer_wheel_dir(self) -> Path:
+        """The reference consumer's own wheel (main target only)."""
+        return self.build / "consumer-wheel"
+
+    @property
     def logs(self) -> Path:
         return self.build / "logs"
 

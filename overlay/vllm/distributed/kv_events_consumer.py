@@ -17,6 +17,11 @@ It keeps a set mirror and a counting mirror per (medium, group), the metadata
 each held key was announced with, and answers prefix matches (token ids in,
 matched blocks per tier out). ``python -m vllm.distributed.kv_events_consumer``
 prints its state and every anomaly it sees: a health check of a stream.
+
+This one file also ships on its own, for a router's venv without torch: the
+``vllm-kv-events-consumer`` wheel (command ``vllm-kv-events-consumer``), where
+it imports the engine's schema classes from the module the build extracts
+them into, ``vllm_kv_events_consumer.kv_events_schema``.
 """
 
 import argparse
@@ -32,20 +37,34 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from vllm.distributed.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    ZmqEventPublisher,
-)
-from vllm.v1.core.kv_cache_utils import ExternalBlockHash
+if __package__ == "vllm_kv_events_consumer":
+    # The standalone distribution (no torch): the engine's own schema classes,
+    # extracted from this tree's kv_events.py when the wheel is built.
+    from .kv_events_schema import (
+        ZMQ_END_SEQ,
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        ExternalBlockHash,
+        KVEventBatch,
+    )
+else:
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+        ZmqEventPublisher,
+    )
+    from vllm.v1.core.kv_cache_utils import ExternalBlockHash
+
+    ZMQ_END_SEQ = ZmqEventPublisher.END_SEQ
 
 # (medium, group_idx, block hash): the key a router holds.
 MirrorKey = tuple[str | None, int | None, ExternalBlockHash]
 Tier = tuple[str | None, int | None]
 
-END_SEQ = int.from_bytes(ZmqEventPublisher.END_SEQ, "big", signed=True)
+END_SEQ = int.from_bytes(ZMQ_END_SEQ, "big", signed=True)
 
 
 def _keys(event: BlockStored | BlockRemoved) -> list[MirrorKey]:
@@ -628,9 +647,9 @@ def _parse_tokens(text: str) -> list[int]:
         ) from None
 
 
-def main(argv: Iterable[str] | None = None) -> int:
+def main(argv: Iterable[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm.distributed.kv_events_consumer",
+        prog=prog,
         description="Follow one vLLM KV-event publisher exactly; print its "
         "state and every anomaly (gaps, restarts, unknown removals).",
     )
@@ -720,4 +739,4 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog=f"python -m {__spec__.name}"))
