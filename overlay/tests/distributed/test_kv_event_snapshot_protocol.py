@@ -94,6 +94,11 @@ def test_malformed_requests_get_an_error_and_live_goes_on():
         follower.sync(min_next_seq=1)
         assert follower.mirror.held_keys() == {("GPU", 0, 1), ("GPU", 0, 2)}
         assert not follower.stats.anomalies
+        # A boolean is no sequence number, though Python counts True as 1.
+        epoch = end_info(ask(pub, b"", pack({"op": "status"})))["epoch"]
+        request = pack({"op": "replay", "start_seq": True, "epoch": epoch})
+        info = end_info(ask(pub, b"", request))
+        assert info["status"] == "error" and "start_seq" in info["reason"]
     finally:
         follower.close()
         pub.shutdown()
@@ -107,6 +112,8 @@ def _endpoints(pub: ZmqEventPublisher) -> tuple[str, str]:
 
 @pytest.mark.parametrize("max_keys", [0, 2])
 def test_snapshot_refused_when_off_or_above_the_cap(max_keys):
+    """Off, or past the cap, the record is gone (its memory with it): status
+    says so with the reason, and a snapshot is refused."""
     pub = publisher(snapshot_max_keys=max_keys)
     try:
         pub.publish(KVEventBatch(ts=0.0, events=[stored([1, 2, 3])]))
@@ -114,15 +121,33 @@ def test_snapshot_refused_when_off_or_above_the_cap(max_keys):
         while status["next_seq"] < 1:
             time.sleep(0.01)
             status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
-        assert status["snapshot"]["enabled"] is (max_keys > 0)
+        assert status["snapshot"]["enabled"] is False
+        assert status["snapshot"]["held_keys"] is None
+        assert "snapshot_max_keys" in status["snapshot"]["reason"]
         messages = ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"}))
         assert len(messages) == 1, "a refused snapshot sends no batch"
         info = end_info(messages)
         assert info["status"] == "refused"
-        assert "snapshot_max_keys" in info["reason"]
+        assert info["reason"] == status["snapshot"]["reason"]
         # The live stream and replay are untouched.
         replay = ask(pub, b"", (0).to_bytes(8, "big"))
         assert [int.from_bytes(m[2], "big") for m in replay[:-1]] == [0]
+    finally:
+        pub.shutdown()
+
+
+def test_the_record_at_the_cap_still_serves_snapshots():
+    pub = publisher(snapshot_max_keys=3)
+    try:
+        pub.publish(KVEventBatch(ts=0.0, events=[stored([1, 2, 3])]))
+        status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
+        while status["next_seq"] < 1:
+            time.sleep(0.01)
+            status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
+        assert status["snapshot"]["enabled"] is True
+        assert status["snapshot"]["held_keys"] == 3
+        info = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"})))
+        assert info["status"] == "ok"
     finally:
         pub.shutdown()
 
