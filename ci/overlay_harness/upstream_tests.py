@@ -73,6 +73,12 @@ SELECTION: Final[tuple[str, ...]] = (
     "tests/v1/kv_connector/unit/offloading_connector/test_events.py",
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/core/test_scheduler.py",
+    # New in 0.34.0 beside the code the series patches.
+    "tests/v1/core/test_reset_prefix_cache_e2e.py",
+    "tests/v1/core/test_prompt_block_hash_vectors.py",
+    "tests/v1/kv_connector/unit/test_cache_pollution_prevention.py",
+    "tests/v1/simple_kv_offload/test_kv_events.py",
+    "tests/v1/simple_kv_offload/test_host_buffer.py",
 )
 
 # Environment of the pytest run (added to a minimal copy of the caller's).
