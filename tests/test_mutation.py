@@ -1,5 +1,6 @@
-"""The mutation suite's mutants (ci/bench/mutation.py, run by ci/bench.sh):
-each must still apply to the patched tree, and say so loudly when it does not."""
+"""The mutation suite's mutants (ci/bench/mutation.py, run by ci/bench.sh),
+the behaviour set and the merge set: each must still apply to the patched
+tree, and say so loudly when it does not."""
 
 from __future__ import annotations
 
@@ -18,6 +19,37 @@ import mutation  # noqa: E402
 def test_every_mutant_applies_to_the_patched_tree(mutant: mutation.Mutant) -> None:
     text = (REPO.tree / mutant.file).read_text()
     assert mutation.mutated(text, mutant) != text
+
+
+@pytest.mark.real_release
+@pytest.mark.parametrize("mutant", mutation.MERGE_MUTANTS, ids=lambda m: m.name)
+def test_every_merge_mutant_applies_to_the_patched_tree(
+    mutant: mutation.Mutant,
+) -> None:
+    text = (REPO.tree / mutant.file).read_text()
+    assert mutation.mutated(text, mutant) != text
+
+
+def test_the_merge_set_remakes_the_eleven_breakages() -> None:
+    names = [m.name for m in mutation.MERGE_MUTANTS]
+    assert len(names) == 11 and len(set(names)) == 11
+    assert not set(names) & {m.name for m in mutation.MUTANTS}
+
+
+def test_a_mutant_with_a_second_edit_needs_both_to_apply() -> None:
+    mutant = mutation.Mutant("m", "what", "f.py", "a\n", "b\n", also=(("c\n", ""),))
+    assert mutation.mutated("a\nc\n", mutant) == "b\n"
+    with pytest.raises(mutation.MutantError, match="occurs 0 times"):
+        mutation.mutated("a\n", mutant)
+
+
+def test_static_findings_are_compared_without_their_lines() -> None:
+    before = ["v.py:3:1: F401 `os` imported but unused"]
+    after = [
+        "v.py:9:1: F401 `os` imported but unused",
+        "v.py:12:5: F821 Undefined name `config`",
+    ]
+    assert mutation.new_findings(before, after) == [after[1]]
 
 
 def test_a_mutant_that_no_longer_applies_names_itself() -> None:

@@ -833,3 +833,19 @@ def test_dropping_patches_in_a_rebase_as_the_guide_says(
     (command,) = _hints(refused.value.next_step)[1:]
     assert main(shlex.split(command)[1:]) == 0
     assert series.read_series(out) == ["0002-b10.patch"]
+
+
+def test_static_findings_compile_and_undefined_names(tmp_path: Path) -> None:
+    """The check that rebase-check, rebase-test and adopt run, and that the
+    mutation suite's merge set runs alone: one line per finding, F821
+    selected even where the tree's own config leaves it out."""
+    (tmp_path / "pyproject.toml").write_text('[tool.ruff.lint]\nselect = ["E"]\n')
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    (tmp_path / "undefined.py").write_text("def f():\n    return config\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    python = Path(sys.executable)
+    assert rebase.static_findings(tmp_path, ["ok.py"], python) == []
+    [finding] = rebase.static_findings(tmp_path, ["undefined.py"], python)
+    assert finding.startswith("undefined.py:2:12: F821 Undefined name `config`")
+    findings = rebase.static_findings(tmp_path, ["broken.py"], python)
+    assert findings[0].startswith("broken.py:1:7: SyntaxError")

@@ -20,6 +20,7 @@ code. Run by ``ci/bench.sh``, not by the test run (about 40 minutes here).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime as dt
 import json
@@ -34,6 +35,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overlay_harness import upstream_tests as ut  # noqa: E402
+from vllm_overlay import rebase  # noqa: E402
+from vllm_overlay.errors import OverlayError  # noqa: E402
+from vllm_overlay.paths import default_layout  # noqa: E402
 
 BLOCK_POOL = "vllm/v1/core/block_pool.py"
 OFFLOADING_SCHEDULER = (
@@ -48,6 +52,8 @@ class Mutant:
     file: str
     old: str
     new: str
+    # Further (old, new) replacements in the same file, each exact and once.
+    also: tuple[tuple[str, str], ...] = ()
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -174,19 +180,202 @@ MUTANTS: tuple[Mutant, ...] = (
 )
 
 
+OFFLOADING_EVENTS = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py"
+# 0005's tracker state, which git put after a `return` of a new method.
+_TRACKER_INIT = (
+    '        self._stores_every_copy = config.copy_semantics != "logical"\n'
+    '        self._removes_every_copy = config.copy_semantics == "physical"\n'
+    "        # Copies announced (BlockStored) and not yet removed, per hash and tier.\n"
+    "        self._announced: dict[_AnnouncedKey, int] = {}\n"
+    "        # Events translated ahead of the next take_events(): the manager's\n"
+    "        # backlog at a reset, then the reset's removals.\n"
+    "        self._queued: list[KVCacheEvent] = []\n"
+)
+_METADATA_FOR_END = (
+    "        chunk_idx = boundary // group_config.tokens_per_chunk - 1\n"
+    "        return self._build_event_metadata(state, group_config, chunk_idx)\n"
+)
+_TRACKER_BETWEEN = (
+    "\n    def on_new_request(\n"
+    "        self,\n"
+    "        req_context: ReqContext,\n"
+    "        request: Request,\n"
+    '        group_configs: tuple["GroupOffloadConfig", ...],\n'
+    "    ) -> None:\n"
+)
+
+# The silent breakages that a clean 3-way merge of the 0.33.0 series onto
+# vLLM 0.34.0 produced (issue 30: no conflict marker, every one compiled),
+# each remade in today's code: the gate before adopt (`ci/overlay
+# rebase-test`: compile and ruff F821, then the overlay's tests) must fail
+# on each. `--set merge` runs them (docs/merge-mutation.md).
+MERGE_MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "0002-num-copies-len-of-id",
+        "0002: num_copies() keeps 0.33.0's body and calls len() on the block "
+        "id that `_cache` now holds",
+        BLOCK_POOL,
+        "        dup_ids = self._dup_ids.get(key)\n"
+        "        if dup_ids is not None:\n"
+        "            return len(dup_ids)\n"
+        "        return 1 if key in self._cache else 0\n",
+        "        blocks = self._cache.get(key)\n"
+        "        if blocks is None:\n"
+        "            return 0\n"
+        "        if isinstance(blocks, KVCacheBlock):\n"
+        "            return 1\n"
+        "        return len(blocks)\n",
+    ),
+    Mutant(
+        "0002-old-extra-keys-name",
+        "0002: the moved event code calls the old name "
+        "`_generate_event_extra_keys` (0.34.0: `generate_event_extra_keys`)",
+        BLOCK_POOL,
+        "            new_hashes.append(maybe_convert_block_hash(block_hashes[i]))\n"
+        "            block_start = i * block_size\n"
+        "            block_end = block_start + block_size\n"
+        "            extra_keys, curr_mm_idx = self.generate_event_extra_keys(\n",
+        "            new_hashes.append(maybe_convert_block_hash(block_hashes[i]))\n"
+        "            block_start = i * block_size\n"
+        "            block_end = block_start + block_size\n"
+        "            extra_keys, curr_mm_idx = self._generate_event_extra_keys(\n",
+    ),
+    Mutant(
+        "0002-old-lookahead-name",
+        "0002: the moved event code calls the old name `_lookahead_token_ids` "
+        "(0.34.0: `get_lookahead_token_ids`)",
+        BLOCK_POOL,
+        "            extra_keys_list.append(extra_keys)\n"
+        "            if lookahead_token_ids is not None:\n"
+        "                lookahead_token_ids.append(\n"
+        "                    self.get_lookahead_token_ids(request, block_end)\n"
+        "                )\n"
+        "        return self._build_block_stored_event(\n",
+        "            extra_keys_list.append(extra_keys)\n"
+        "            if lookahead_token_ids is not None:\n"
+        "                lookahead_token_ids.append(\n"
+        "                    self._lookahead_token_ids(request, block_end)\n"
+        "                )\n"
+        "        return self._build_block_stored_event(\n",
+    ),
+    Mutant(
+        "0004-private-block-hash",
+        "0004: _note_ref_change reads `block._block_hash`, gone in 0.34.0 "
+        "(a plain `block_hash` attribute)",
+        BLOCK_POOL,
+        "        cache.note_ref_change(block.block_hash, block_id, in_use)\n",
+        "        cache.note_ref_change(block._block_hash, block_id, in_use)\n",
+    ),
+    Mutant(
+        "0004-evict-first-unnoted",
+        "0004: upstream's new `evict_first` branch of free_blocks frees a copy "
+        "without noting its ref change",
+        BLOCK_POOL,
+        "                    # and of cached ones when asked to evict them first.\n"
+        "                    if block.has_copies:\n"
+        "                        # Another block holds one of its keys.\n"
+        "                        self._note_ref_change(block, in_use=False)\n",
+        "                    # and of cached ones when asked to evict them first.\n",
+    ),
+    Mutant(
+        "0005-init-after-return",
+        "0005: the tracker's __init__ lines landed after the last `return` "
+        "of `_metadata_for`, so they never run",
+        OFFLOADING_EVENTS,
+        "\n" + _TRACKER_INIT + _TRACKER_BETWEEN,
+        _TRACKER_BETWEEN,
+        also=((_METADATA_FOR_END, _METADATA_FOR_END + _TRACKER_INIT),),
+    ),
+    Mutant(
+        "0005-lookahead-not-sliced",
+        "0005: _stored_run copies `lookahead_token_ids` whole into each run "
+        "instead of slicing it with the hashes",
+        OFFLOADING_EVENTS,
+        "            lookahead_token_ids=(\n"
+        "                event.lookahead_token_ids[start:stop]\n"
+        "                if event.lookahead_token_ids is not None\n"
+        "                else None\n"
+        "            ),\n"
+        "        )\n",
+        "        )\n",
+    ),
+    Mutant(
+        "0006-copies-dropped-at-one",
+        "0006/0004: a key's referenced_copies/lru_copies entries go when it is "
+        "down to one copy (as upstream drops `_dup_ids`), not with its last",
+        BLOCK_POOL,
+        "            if len(dup_ids) == 1:\n                del self._dup_ids[key]\n",
+        "            if len(dup_ids) == 1:\n"
+        "                del self._dup_ids[key]\n"
+        "                self.referenced_copies.pop(key, None)\n"
+        "                self.lru_copies.pop(key, None)\n",
+    ),
+    Mutant(
+        "0006-clear-keeps-referenced",
+        "0006/0004: the in-place clear() on reset leaves referenced_copies",
+        BLOCK_POOL,
+        "        self._dup_ids.clear()\n        self.referenced_copies.clear()\n",
+        "        self._dup_ids.clear()\n",
+    ),
+    Mutant(
+        "0006-clear-keeps-lru",
+        "0006: the in-place clear() on reset leaves lru_copies",
+        BLOCK_POOL,
+        "        self.referenced_copies.clear()\n        self.lru_copies.clear()\n",
+        "        self.referenced_copies.clear()\n",
+    ),
+    Mutant(
+        "0010-fast-path-merged",
+        "0010 (dropped): its get_cached_block fast path laid over 0.34.0's, "
+        "reading `_cache` and taking its value for a block",
+        BLOCK_POOL,
+        "        cached_blocks = []\n"
+        "        for group_id in kv_cache_group_ids:\n"
+        "            block_hash_with_group_id = make_block_hash_with_group_id(\n"
+        "                block_hash, group_id\n"
+        "            )\n"
+        "            block = self.cached_block_hash_to_block.get_one_block(\n"
+        "                block_hash_with_group_id\n"
+        "            )\n"
+        "            if not block:\n"
+        "                return None\n"
+        "            cached_blocks.append(block)\n",
+        "        cached_blocks = []\n"
+        "        cache_map = self.cached_block_hash_to_block\n"
+        "        for group_id in kv_cache_group_ids:\n"
+        "            block_hash_with_group_id = make_block_hash_with_group_id(\n"
+        "                block_hash, group_id\n"
+        "            )\n"
+        "            # A key with a single block is looked up here, without a call:\n"
+        "            # this runs for every block of every prefix lookup.\n"
+        "            block = cache_map._cache.get(block_hash_with_group_id)\n"
+        "            if block is None:\n"
+        "                return None\n"
+        "            if not isinstance(block, KVCacheBlock):\n"
+        "                block = cache_map.get_one_block(block_hash_with_group_id)\n"
+        "                if block is None:\n"
+        "                    return None\n"
+        "            cached_blocks.append(block)\n",
+    ),
+)
+
+
 class MutantError(Exception):
     pass
 
 
 def mutated(text: str, mutant: Mutant) -> str:
     """``text`` with the mutant applied; loud when it no longer applies."""
-    count = text.count(mutant.old)
-    if count != 1:
-        raise MutantError(
-            f"mutant {mutant.name} no longer applies to {mutant.file} (its text "
-            f"occurs {count} times, not once): update it in ci/bench/mutation.py"
-        )
-    return text.replace(mutant.old, mutant.new)
+    for old, new in ((mutant.old, mutant.new), *mutant.also):
+        count = text.count(old)
+        if count != 1:
+            raise MutantError(
+                f"mutant {mutant.name} no longer applies to {mutant.file} (its "
+                f"text occurs {count} times, not once): update it in "
+                "ci/bench/mutation.py"
+            )
+        text = text.replace(old, new)
+    return text
 
 
 def _imports_from(python: Path, env: dict[str, str], cwd: Path, src: Path) -> None:
@@ -271,6 +460,194 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def new_findings(before: list[str], after: list[str]) -> list[str]:
+    """The static check's findings on a mutant that the unmutated file does
+    not have, compared without their line and column (the mutant moves
+    lines)."""
+
+    def what(line: str) -> str:
+        match = rebase._FINDING.match(line)
+        return f"{match['file']}: {match['what']}" if match else line
+
+    left = collections.Counter(what(line) for line in before)
+    found = []
+    for line in after:
+        if left[what(line)] > 0:
+            left[what(line)] -= 1
+        else:
+            found.append(line)
+    return found
+
+
+def relevant_first(tests: list[str], file: str) -> list[str]:
+    """``tests`` with those of the mutated module's own area first, so that
+    a run that stops at its first failure stops sooner."""
+    area = "kv_connector" if "kv_connector" in file else "v1/core"
+    return sorted(tests, key=lambda t: (area not in t, t))
+
+
+def render_merge(report: dict[str, Any]) -> str:
+    caught = sum(1 for m in report["mutants"] if m["caught"])
+    lines = [
+        "# The merge's silent breakages, and the gate before adopt",
+        "",
+        "Generated by `ci/bench/mutation.py --set merge`; do not edit.",
+        f"Run {report['date']} UTC, {report['wall_s']:.0f} s: `{report['command']}`.",
+        "",
+        "A clean 3-way merge of the 0.33.0 series onto vLLM 0.34.0 left these "
+        "mistakes without a conflict marker (issue 30). Each is remade as a "
+        "mutant of today's patched tree (`MERGE_MUTANTS`) and put through the "
+        "two halves of the gate that `ci/overlay rebase-test VERSION` runs "
+        "before `adopt`: the static check (every touched file compiles and "
+        f"passes ruff {report['ruff']} with upstream's configuration, F821 "
+        "selected: `rebase.static_findings`), then the overlay's tests. A "
+        "mutant is caught when the static check reports a finding that the "
+        "unmutated file does not have, or when a test fails on it that passes "
+        "on the unmutated copy (the control run, after the mutants, reruns "
+        f"every test that failed on one: {report['control_passed']} of "
+        f"{report['control_tests']} passed; a test that fails there catches "
+        "nothing).",
+        "",
+        "Each mutant's test run is every test file of `overlay/tests/` "
+        f"({report['test_files']} files), those of the mutated module's area "
+        "first (`v1/core` for block_pool.py, `kv_connector` for the offloading "
+        f"tracker), with `{' '.join(report['pytest_args'])}`: it stops at its "
+        "first failure, so the test named is one that catches the mutant, "
+        "not every one. `ran` counts the tests that finished before the stop.",
+        "",
+        f"**Caught: {caught} of {len(report['mutants'])}.**",
+        "",
+        "| mutant | the mistake | static check | first failing test | ran |",
+        "|---|---|---|---|---|",
+    ]
+    for m in report["mutants"]:
+        static = "; ".join(f"`{f}`" for f in m["static"]) or "clean"
+        test = ", ".join(f"`{t}`" for t in m["killed_by"]) or "none failed"
+        lines.append(
+            f"| `{m['name']}` | {m['what']} | {static} | {test} | {m['ran']} |"
+        )
+    if survivors := [m["name"] for m in report["mutants"] if not m["caught"]]:
+        lines += ["", "Not caught: " + ", ".join(f"`{n}`" for n in survivors) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def merge_main(args: argparse.Namespace) -> int:
+    """``--set merge``: each of MERGE_MUTANTS through the static check and
+    the overlay's tests (every file, stopping at the first failure)."""
+    selected = [m for m in MERGE_MUTANTS if not args.mutant or m.name in args.mutant]
+    if not selected:
+        print("error: --mutant names none of MERGE_MUTANTS", file=sys.stderr)
+        return 2
+    started, t0 = dt.datetime.now(dt.UTC), time.monotonic()
+    tests = sorted(
+        p.relative_to(args.overlay).as_posix() for p in args.overlay.rglob("test_*.py")
+    )
+    pytest_args = ("--maxfail=1",)
+    try:
+        ruff_python = args.ruff_python or rebase.ruff_python(
+            default_layout(), args.tree
+        )
+        ruff_version = subprocess.run(
+            [str(ruff_python), "-m", "ruff", "--version"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        sources = {m.file: (args.tree / m.file).read_text() for m in MERGE_MUTANTS}
+        texts = {m.name: mutated(sources[m.file], m) for m in MERGE_MUTANTS}
+        with tempfile.TemporaryDirectory(prefix="vllm-merge-mutation-") as tmp:
+            work = Path(tmp)
+            src = work / "src"
+            shutil.copytree(
+                args.tree / "vllm", src / "vllm",
+                ignore=shutil.ignore_patterns("__pycache__"),
+            )  # fmt: skip
+            # Upstream's ruff configuration, where ruff finds it from src/.
+            shutil.copy2(args.tree / "pyproject.toml", src / "pyproject.toml")
+            test_tree = ut.build_test_tree(args.tree, work / "test-tree")
+            before = {f: rebase.static_findings(src, [f], ruff_python) for f in sources}
+            results: list[dict[str, Any]] = []
+            for m in selected:
+                print(f"mutant {m.name}", file=sys.stderr)
+                target = src / m.file
+                target.write_text(texts[m.name])
+                try:
+                    static = new_findings(
+                        before[m.file],
+                        rebase.static_findings(src, [m.file], ruff_python),
+                    )
+                    outcome = run_tests(
+                        args.python, test_tree, src,
+                        relevant_first(tests, m.file), work, pytest_args,
+                    )  # fmt: skip
+                finally:
+                    target.write_text(sources[m.file])
+                killers = sorted(
+                    t for t, o in outcome.items() if o in ("failed", "error")
+                )
+                ran = sum(1 for o in outcome.values() if o != "skipped")
+                results.append(
+                    {
+                        "name": m.name,
+                        "what": m.what,
+                        "file": m.file,
+                        "static": static,
+                        "killed_by": killers,
+                        "ran": ran,
+                        "caught": bool(static or killers),
+                    }
+                )
+                print(
+                    f"  static {len(static)} findings; {len(killers)} tests "
+                    f"failed of {ran} run",
+                    file=sys.stderr,
+                )
+            # The control run: a failing test counts only if it passes on the
+            # unmutated copy (a whole file that failed to collect must too).
+            rerun = sorted({t for r in results for t in r["killed_by"]})
+            print(f"control run of {len(rerun)} tests (unmutated)", file=sys.stderr)
+            control = (
+                run_tests(args.python, test_tree, src, rerun, work) if rerun else {}
+            )
+            passed = sorted(t for t, o in control.items() if o == "passed")
+            for r in results:
+                r["killed_by"] = [
+                    t
+                    for t in r["killed_by"]
+                    if t in passed
+                    or ("::" not in t and any(p.startswith(t + "::") for p in passed))
+                ]
+                r["caught"] = bool(r["static"] or r["killed_by"])
+    except (MutantError, ut.HarnessError, OverlayError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as e:
+        print(f"error: {shlex.join(e.cmd)} failed: {e.stderr}", file=sys.stderr)
+        return 2
+    report = {
+        "date": f"{started:%Y-%m-%d %H:%M}",
+        "wall_s": time.monotonic() - t0,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "ruff": ruff_version,
+        "control_tests": len(control),
+        "control_passed": len(passed),
+        "test_files": len(tests),
+        "pytest_args": [*pytest_args, "-n", str(ut.XDIST_WORKERS)],
+        "caught": sum(1 for r in results if r["caught"]),
+        "mutants": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(render_merge(report))
+    survivors = [r["name"] for r in results if not r["caught"]]
+    print(
+        f"caught {report['caught']} of {len(results)}; wrote {args.out}.md",
+        file=sys.stderr,
+    )
+    if survivors:
+        print(f"NOT CAUGHT: {', '.join(survivors)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", type=Path, required=True, help="the patched tree")
@@ -285,13 +662,33 @@ def main(argv: list[str] | None = None) -> int:
         "every test that does; the unmutated tests' passing is then ci/test.sh's",
     )
     ap.add_argument(
+        "--set",
+        choices=("behaviour", "merge"),
+        default="behaviour",
+        help="behaviour: MUTANTS, the overlay's tests must kill each (default); "
+        "merge: MERGE_MUTANTS, the breakages a clean merge onto 0.34.0 hid, "
+        "which the gate before adopt (static check, then the overlay's tests) "
+        "must catch",
+    )
+    ap.add_argument(
+        "--ruff-python",
+        type=Path,
+        help="--set merge: the python whose ruff runs the static check "
+        "(default: the ruff the tree's .pre-commit-config.yaml pins, as "
+        "rebase-check's check uses)",
+    )
+    ap.add_argument(
         "--mutant",
         action="append",
-        choices=[m.name for m in MUTANTS],
+        choices=[m.name for m in (*MUTANTS, *MERGE_MUTANTS)],
         help="run only this mutant (repeatable; every mutant must still apply)",
     )
     args = ap.parse_args(argv)
+    if args.set == "merge":
+        return merge_main(args)
     selected = [m for m in MUTANTS if not args.mutant or m.name in args.mutant]
+    if not selected:
+        ap.error("--mutant names none of MUTANTS (--set merge for MERGE_MUTANTS)")
     started, t0 = dt.datetime.now(dt.UTC), time.monotonic()
     # The event tests first: with --first-killer a mutant's run stops sooner.
     tests = sorted(

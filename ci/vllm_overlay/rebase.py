@@ -461,6 +461,30 @@ for name in sys.argv[1:]:
 _FINDING = re.compile(r"^(?P<file>[^:\s]+\.py):(?P<line>\d+):(?:\d+:)? (?P<what>.+)$")
 
 
+def static_findings(root: Path, files: list[str], python: Path) -> list[str]:
+    """What the static check prints for ``files`` (relative to ``root``), a
+    line per finding: each must compile (``python``'s compiler), and pass
+    ``python -m ruff check`` with the configuration ruff finds from ``root``
+    (upstream's pyproject.toml), undefined names (F821) selected whatever
+    it says. The mutation suite's merge set runs exactly this
+    (ci/bench/mutation.py)."""
+    findings = []
+    for command in (
+        [str(python), "-c", _COMPILE],
+        [str(python), "-m", "ruff", "check", "--no-cache", "--extend-select=F821"]
+        + ["--quiet", "--output-format=concise"],
+    ):
+        result = subprocess.run(
+            [*command, *files], cwd=root, capture_output=True, text=True
+        )
+        findings += [
+            line.strip()
+            for line in (result.stdout + result.stderr).splitlines()
+            if line.strip()
+        ]
+    return findings
+
+
 def check_rebased(ws: Path, python: Path) -> list[tuple[str, str]]:
     """(patch, problem) for each problem of the rebased code, the patch
     being the one that wrote the line ("" where none can be named): every
@@ -479,21 +503,13 @@ def check_rebased(ws: Path, python: Path) -> list[tuple[str, str]]:
         return []
     ruff = [str(python), "-m", "ruff"]
     problems = []
-    for command in (
-        [str(python), "-c", _COMPILE],
-        [*ruff, "check", "--no-cache", "--extend-select=F821", "--quiet"]
-        + ["--output-format=concise"],
-    ):
-        result = subprocess.run(
-            [*command, *files], cwd=ws, capture_output=True, text=True
-        )
-        for line in (result.stdout + result.stderr).splitlines():
-            if match := _FINDING.match(line.strip()):
-                patch = _blame(ws, match["file"], int(match["line"]), base)
-                if patch is not None:
-                    problems.append((patch, line.strip()))
-            elif line.strip():
-                problems.append(("", line.strip()))
+    for line in static_findings(ws, files, python):
+        if match := _FINDING.match(line):
+            patch = _blame(ws, match["file"], int(match["line"]), base)
+            if patch is not None:
+                problems.append((patch, line))
+        else:
+            problems.append(("", line))
     result = subprocess.run(
         [*ruff, "format", "--no-cache", "--check", *files],
         cwd=ws,

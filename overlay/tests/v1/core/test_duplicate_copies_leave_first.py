@@ -148,6 +148,49 @@ def test_copy_freed_to_be_evicted_first_is_no_longer_taken_as_in_use():
     assert [e for e in pool.take_events() if isinstance(e, BlockRemoved)] == []
 
 
+def test_reset_forgets_which_copies_were_in_use():
+    """A reset drops the keys and what the pool knew of their copies: a key
+    cached again afterwards, with its first copy in use, still sends a second
+    copy that is freed to the front of the queue."""
+    pool = make_pool()
+    a = compute(pool, "a", PROMPT)
+    b = compute(pool, "b", PROMPT)
+    pool.free_blocks([a, b])
+    assert pool.reset_prefix_cache()
+
+    c = compute(pool, "c", PROMPT)
+    d = compute(pool, "d", PROMPT)
+    pool.free_blocks([d])
+    assert free_order(pool)[0] == d.block_id
+    assert pool.get_cached_block(block_hash_of(PROMPT), [0]) == [c]
+
+
+def test_reset_forgets_which_copy_held_the_key_place():
+    """The free copy that held a key's place before a reset holds nothing
+    after it, even when the same block caches the key again and is in use:
+    freeing a later copy leaves that block in use."""
+    pool = make_pool()
+    a = compute(pool, "a", PROMPT)
+    b = compute(pool, "b", PROMPT)
+    # a goes to the front; b, freed last, holds the key's place.
+    pool.free_blocks([a, b])
+    assert free_order(pool)[-1] == b.block_id
+    assert pool.reset_prefix_cache()
+
+    blocks = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert b in blocks
+    others = [block for block in blocks if block is not b]
+    second = others.pop()
+    for block, request_id in ((b, "c"), (second, "d")):
+        pool.cache_full_blocks(make_request(request_id, PROMPT), [block], 0, 1, 4, 0)
+    pool.free_blocks(others)
+    pool.free_blocks([second])
+    assert free_order(pool)[0] == second.block_id
+    assert b.block_id not in free_order(pool)
+    assert b.ref_cnt == 1
+    assert pool.get_cached_block(block_hash_of(PROMPT), [0]) == [b]
+
+
 def test_latest_freed_copy_keeps_the_key_recency():
     pool = make_pool()
     a = compute(pool, "a", PROMPT)
