@@ -271,11 +271,11 @@ MERGE_MUTANTS: tuple[Mutant, ...] = (
         "0004: upstream's new `evict_first` branch of free_blocks frees a copy "
         "without noting its ref change",
         BLOCK_POOL,
-        "                    # and of cached ones when asked to evict them first.\n"
-        "                    if block.has_copies:\n"
-        "                        # Another block holds one of its keys.\n"
-        "                        self._note_ref_change(block, in_use=False)\n",
-        "                    # and of cached ones when asked to evict them first.\n",
+        "        if evict_first:\n"
+        "            self._note_ref_change(block, in_use=False)\n"
+        "            blocks_to_evict_first.append(block)\n",
+        "        if evict_first:\n"
+        "            blocks_to_evict_first.append(block)\n",
     ),
     Mutant(
         "0005-init-after-return",
