@@ -274,8 +274,7 @@ MERGE_MUTANTS: tuple[Mutant, ...] = (
         "        if evict_first:\n"
         "            self._note_ref_change(block, in_use=False)\n"
         "            blocks_to_evict_first.append(block)\n",
-        "        if evict_first:\n"
-        "            blocks_to_evict_first.append(block)\n",
+        "        if evict_first:\n            blocks_to_evict_first.append(block)\n",
     ),
     Mutant(
         "0005-init-after-return",
