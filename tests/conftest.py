@@ -151,6 +151,19 @@ def checkout(tmp_path: Path) -> Layout:
     return Layout(root)
 
 
+def set_commit_short(layout: Layout, commit_short: str) -> None:
+    """Point the checkout's pin at ``commit_short``, whatever release it pins."""
+    text, count = re.subn(
+        r'^commit_short = "[0-9a-f]+"$',
+        f'commit_short = "{commit_short}"',
+        layout.pin.read_text(),
+        count=1,
+        flags=re.MULTILINE,
+    )
+    assert count == 1, f"{layout.pin} has no commit_short"
+    layout.pin.write_text(text)
+
+
 def write_series(layout: Layout, patches: dict[str, str]) -> None:
     for name, text in patches.items():
         (layout.patches / name).write_text(text)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, make_patch, write_series
+from conftest import REPO, make_patch, set_commit_short, write_series
 from vllm_overlay import build, source
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
@@ -24,11 +24,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def _pin_at(layout: Layout, commit_short: str) -> Pin:
-    text = layout.pin.read_text()
-    text = text.replace(
-        'commit_short = "4ba787ec9"', f'commit_short = "{commit_short}"'
-    )
-    layout.pin.write_text(text)
+    set_commit_short(layout, commit_short)
     return load_pin(layout.pin)
 
 
@@ -58,7 +54,7 @@ def test_wrong_commit_is_refused(checkout: Layout, submodule: Path) -> None:
         source.lay_scratch_tree(
             checkout.root, pin, checkout.downloads, checkout.build / "tree"
         )
-    assert "checkout v0.33.0" in e.value.next_step
+    assert f"checkout {pin.tag}" in e.value.next_step
     assert not (checkout.build / "tree").exists()
 
 

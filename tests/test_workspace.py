@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LINES, REPO, make_patch, write_series
+from conftest import LINES, REPO, make_patch, set_commit_short, write_series
 from vllm_overlay import apply, series, source, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
@@ -57,11 +57,7 @@ def _upstream(layout: Layout, files: dict[str, str] | str) -> None:
     head = subprocess.run(
         [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    layout.pin.write_text(
-        layout.pin.read_text().replace(
-            'commit_short = "4ba787ec9"', f'commit_short = "{head[:9]}"'
-        )
-    )
+    set_commit_short(layout, head[:9])
 
 
 def with_tooling(layout: Layout) -> Layout:
