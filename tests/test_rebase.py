@@ -326,7 +326,8 @@ def test_rebase_onto_032_cannot_adopt_an_undefined_name(tmp_path: Path) -> None:
     """Issue 20's reproduction on the real 0.32.0 sdist: the series moves by
     3-way merges, so 0001 stops with markers instead of landing by line
     number; with every conflict resolved to the patch's side, the checks
-    name 0005 and the name 0.32.0 does not define, and adopt refuses."""
+    name 0005 and a name 0.32.0 does not define (0.34.0's residency bit),
+    and adopt refuses."""
     layout = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
     ws = adopt.version_dir(layout, "0.32.0") / "workspace"
 
@@ -350,7 +351,7 @@ def test_rebase_onto_032_cannot_adopt_an_undefined_name(tmp_path: Path) -> None:
             break
     finding = (
         r"0005-kv-events-offloading-copy-semantics.patch: \S+events.py:\d+:\d+: "
-        r"F821 Undefined name `_PRIMARY_RESIDENCY`"
+        r"F821 Undefined name `_PRIMARY_RESIDENCY_BIT`"
     )
     assert last.returncode == 1 and re.search(finding, last.stderr), last.stderr
     assert overlay("export", "--dir", str(ws)).returncode == 0
@@ -443,9 +444,12 @@ def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> N
     sh(f"ci/overlay --target vllm-cpu workspace --upto {name}")
     main_patch = project / "patches" / name
     text = main_patch.read_text()
-    (line,) = [x for x in text.splitlines() if x.startswith("+") and "# Live view" in x]
+    # A line both series share, with the same lines around it.
+    (line,) = [
+        x for x in text.splitlines() if x.startswith("+") and "# The policy as" in x
+    ]
     main_patch.write_text(
-        text.replace(line, line.replace("Live view", "Live (bp) view"))
+        text.replace(line, line.replace("The policy as", "The policy (bp) as"))
     )
     (cpu.workspace / "stray.txt").write_text("x\n")
     refused = sh("ci/overlay --target vllm-cpu backport 0002", ok=False)
@@ -458,7 +462,7 @@ def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> N
     assert "(vllm/v1/core/block_pool.py)" in merged.stdout
     for command in re.findall(r"`([^`]+)`", merged.stdout.split("; look at")[1]):
         sh(command)
-    assert "Live (bp) view" in (cpu.patches / name).read_text()
+    assert "The policy (bp) as" in (cpu.patches / name).read_text()
     changed = git(project, "diff", "--name-only", "--", "patches").split()
     assert [f for f in changed if not f.startswith("patches/vllm-cpu/")] == [
         f"patches/{name}"
