@@ -18,10 +18,19 @@ import json
 
 import pytest
 import torch
+
+from tests.v1.core.block_pool_view import model_runner_output
+from tests.v1.core.test_duplicate_block_identity_scheduler import (
+    BLOCK_SIZE,
+    EOS_TOKEN_ID,
+    MAX_MODEL_LEN,
+    SAMPLED_TOKEN_ID,
+    TINY_OPT_CONFIG,
+    tiny_model_config,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
-    ModelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -40,48 +49,21 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tests.v1.core.block_pool_view import model_runner_output
-
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
-BLOCK_SIZE = 16
-MAX_MODEL_LEN = 2048
-EOS_TOKEN_ID = 2
-SAMPLED_TOKEN_ID = 7
 SESSION_ID = "session"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_opt")
-    config = {
-        "model_type": "opt",
-        "architectures": ["OPTForCausalLM"],
-        "hidden_size": 16,
-        "ffn_dim": 32,
-        "num_attention_heads": 2,
-        "num_hidden_layers": 2,
-        "vocab_size": 1000,
-        "max_position_embeddings": MAX_MODEL_LEN,
-        "word_embed_proj_dim": 16,
-        "torch_dtype": "float16",
-        "bos_token_id": EOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "pad_token_id": 1,
-    }
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(TINY_OPT_CONFIG))
     return str(path)
 
 
 def make_scheduler(model_dir: str, enable_kv_cache_events: bool) -> Scheduler:
     init_none_hash(sha256)
-    model_config = ModelConfig(
-        model=model_dir,
-        dtype="float16",
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=MAX_MODEL_LEN,
-    )
+    model_config = tiny_model_config(model_dir)
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(
             max_num_seqs=4,
