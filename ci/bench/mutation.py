@@ -422,6 +422,21 @@ def run_tests(
     return {k: r.outcome for k, r in ut.parse_junit(junit, test_tree).items()}
 
 
+def lay_work(
+    tree: Path, mutants: tuple[Mutant, ...], work: Path
+) -> tuple[dict[str, str], dict[str, str], Path, Path]:
+    """What every mutant run starts from: the mutated files' texts (loud if
+    a mutant no longer applies), each mutant's text, a copy of ``tree``'s
+    ``vllm/`` under ``work/src`` and the test tree."""
+    sources = {m.file: (tree / m.file).read_text() for m in mutants}
+    texts = {m.name: mutated(sources[m.file], m) for m in mutants}
+    src = work / "src"
+    shutil.copytree(
+        tree / "vllm", src / "vllm", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return sources, texts, src, ut.build_test_tree(tree, work / "test-tree")
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         "# Mutation suite",
@@ -498,7 +513,7 @@ def render_merge(report: dict[str, Any]) -> str:
         "mutant of today's patched tree (`MERGE_MUTANTS`) and put through the "
         "two halves of the gate that `ci/overlay rebase-test VERSION` runs "
         "before `adopt`: the static check (every touched file compiles and "
-        f"passes ruff {report['ruff']} with upstream's configuration, F821 "
+        f"passes {report['ruff']} with upstream's configuration, F821 "
         "selected: `rebase.static_findings`), then the overlay's tests. A "
         "mutant is caught when the static check reports a finding that the "
         "unmutated file does not have, or when a test fails on it that passes "
@@ -550,18 +565,11 @@ def merge_main(args: argparse.Namespace) -> int:
             [str(ruff_python), "-m", "ruff", "--version"],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
-        sources = {m.file: (args.tree / m.file).read_text() for m in MERGE_MUTANTS}
-        texts = {m.name: mutated(sources[m.file], m) for m in MERGE_MUTANTS}
         with tempfile.TemporaryDirectory(prefix="vllm-merge-mutation-") as tmp:
             work = Path(tmp)
-            src = work / "src"
-            shutil.copytree(
-                args.tree / "vllm", src / "vllm",
-                ignore=shutil.ignore_patterns("__pycache__"),
-            )  # fmt: skip
+            sources, texts, src, test_tree = lay_work(args.tree, MERGE_MUTANTS, work)
             # Upstream's ruff configuration, where ruff finds it from src/.
             shutil.copy2(args.tree / "pyproject.toml", src / "pyproject.toml")
-            test_tree = ut.build_test_tree(args.tree, work / "test-tree")
             before = {f: rebase.static_findings(src, [f], ruff_python) for f in sources}
             results: list[dict[str, Any]] = []
             for m in selected:
@@ -698,16 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         key=lambda t: ("identity" in t, t),
     )
     try:
-        sources = {m.file: (args.tree / m.file).read_text() for m in MUTANTS}
-        texts = {m.name: mutated(sources[m.file], m) for m in MUTANTS}
         with tempfile.TemporaryDirectory(prefix="vllm-mutation-") as tmp:
             work = Path(tmp)
-            src = work / "src"
-            shutil.copytree(
-                args.tree / "vllm", src / "vllm",
-                ignore=shutil.ignore_patterns("__pycache__"),
-            )  # fmt: skip
-            test_tree = ut.build_test_tree(args.tree, work / "test-tree")
+            sources, texts, src, test_tree = lay_work(args.tree, MUTANTS, work)
             control: dict[str, str] = {}
             if not args.first_killer:
                 print("control run (unmutated copy)", file=sys.stderr)
