@@ -94,9 +94,11 @@ def goal_of(workload: str, policy: str) -> tuple[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def bytecode_goal(workload: str, policy: str) -> float:
+def bytecode_goal(workload: str, policy: str) -> float | None:
+    """The goal of a bytecode row; None for a row without one (building the
+    pools: once per pool at start-up)."""
     goal = BYTECODE_GOALS.get((workload, policy))
-    return BYTECODE_GOALS[(workload, "*")] if goal is None else goal
+    return BYTECODE_GOALS.get((workload, "*")) if goal is None else goal
 
 
 def measured_on(res: dict[str, Any]) -> str:
@@ -189,10 +191,13 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
     out += [
         "",
         (
-            "Python bytecode instructions executed by one pass of a (10,000 "
-            "blocks, 20 rounds per size), b and c (counted under an opcode "
-            "tracer, identical on every run: the interpreted work each tree "
-            "does, not weighed by cost), with issue 21's goals:"
+            "Python bytecode instructions executed by one pass of a's "
+            "get/free calls (10,000-block pools, 20 rounds per size), by "
+            "building those five pools (a_pool_construction: once per pool "
+            "at start-up, in no timed call, so without a goal), and by one "
+            "pass of b and c (counted under an opcode tracer, identical on "
+            "every run: the interpreted work each tree does, not weighed by "
+            "cost), with issue 21's goals:"
         ),
         "",
         "| workload | policy | patched | unpatched | ratio | goal | met |",
@@ -200,10 +205,14 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
     ]
     for r in bp["bytecodes"]:
         limit = bytecode_goal(r["workload"], r["policy"])
+        goal, met = (
+            ("-", "-")
+            if limit is None
+            else (f"<= {limit:.2f}", "yes" if r["ratio"] <= limit else "no")
+        )
         out.append(
             f"| {r['workload']} | {r['policy']} | {r['patched']} "
-            f"| {r['unpatched']} | {r['ratio']:.4f} | <= {limit:.2f} "
-            f"| {'yes' if r['ratio'] <= limit else 'no'} |"
+            f"| {r['unpatched']} | {r['ratio']:.4f} | {goal} | {met} |"
         )
     out += ["", "![block-pool ratios](block_pool_ratios.png)", ""]
     return out
