@@ -991,11 +991,15 @@ class Rows:
 
 
 def _range_pct(xs: Sequence[float]) -> str:
+    if not xs:
+        return "not run"
     lo, hi = min(xs), max(xs)
     return f"{100 * lo:.1f} %" if lo == hi else f"{100 * lo:.1f}-{100 * hi:.1f} %"
 
 
 def _range_num(xs: Sequence[float]) -> str:
+    if not xs:
+        return "not run"
     lo, hi = min(xs), max(xs)
     return f"{lo:,.0f}" if lo == hi else f"{lo:,.0f}-{hi:,.0f}"
 
@@ -1007,6 +1011,8 @@ def _points(report: dict[str, Any], workloads: Sequence[str], index: str) -> str
         if r["workload"] in workloads and r["index"] == index and r["stream"] == OURS
         for k in ("min", "max")
     ]
+    if not xs:
+        return "not run"
     return f"{min(xs):+.1f} to {max(xs):+.1f} points"
 
 
@@ -1163,10 +1169,32 @@ def report_lines(report: dict[str, Any]) -> list[str]:
             f"({', '.join(f'{k} {v}' for k, v in r['workers'].items())}). "
             f"Run {r['started']} UTC, {r['wall_s']:.0f} s on {r['cpus']} CPUs, "
             f"load average {r['load_average_start']:.1f} at the start and "
-            f"{r['load_average_end']:.1f} at the end (other work on the machine)."
+            f"{r['load_average_end']:.1f} at the end (other work on the "
+            f"machine); the workers' CPU time {r['cpu_s']:.0f} s, "
+            f"{r['cpu_s'] / r['cpus']:.0f} s on {r['cpus']} idle cores."
         ),
         "",
         headline(r),
+        "",
+        (
+            "Where a counting index is exact on both streams, a difference in "
+            "hit ratio is the engine's, not the stream's: the series also "
+            "changes which copy of a block the pool evicts first "
+            "([dup_first.md](dup_first.md)). The policy `physical` announces "
+            "every copy, as upstream does, for counting routers: a set index "
+            "on it is wrong the way it is on upstream's stream."
+        ),
+        "",
+        (
+            "The two-server live benchmark (section 7, `ci/bench/bench_fleet.py`) "
+            "stays, run on request and no longer by `ci/bench.sh`: it is the "
+            "one measure with real API servers, real HTTP and wall-clock time "
+            "to first token, and it checks this benchmark's glue "
+            "(`DynamoFeed`) on a live ZMQ stream decoded with the served "
+            "schema; but at two engines it cannot tell the wheels apart, the "
+            "live tests (`tests/test_cpu_server*.py`) already cover the "
+            "server's stream, and it takes about 23 minutes."
+        ),
         "",
         "### Prediction and routing",
         "",
@@ -1327,9 +1355,10 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             f"{_pct(ours['median'])} %",
         ),
         (
-            "simulated fleet, full matrix wall time",
-            f"{report['wall_s']:.0f} s on {report['cpus']} CPUs (load average "
-            f"{report['load_average_end']:.1f} at the end)",
+            "simulated fleet, full matrix",
+            f"{report['wall_s']:.0f} s wall on {report['cpus']} CPUs (load "
+            f"average {report['load_average_end']:.1f} at the end); workers' "
+            f"CPU {report['cpu_s']:.0f} s",
         ),
     ]
 
