@@ -403,6 +403,73 @@ class Scores:
         }
 
 
+@dataclass(frozen=True)
+class Arrived:
+    """A request as it reaches the router, and what the engines hold of it."""
+
+    number: int
+    prompt: list[int]
+    request: Any
+    cap: int  # blocks a hit can cover (the last prompt token is computed)
+    need: int  # blocks the request takes
+    loads: list[tuple[int, int]]
+    truth: list[int]  # per engine, the oracle's prefix
+
+
+class Fleet:
+    """The engines in lockstep, the trace's arrivals, what they served."""
+
+    def __init__(self, arrivals: list[Arrival], engines: list[Engine]) -> None:
+        self.arrivals = arrivals
+        self.engines = engines
+        self.served = Served()
+        self.hasher = bl.make_hasher()
+        self.tick = 0
+        self.next = 0
+
+    def running(self) -> bool:
+        return self.next < len(self.arrivals) or any(
+            e.scheduler.has_unfinished_requests() for e in self.engines
+        )
+
+    def arriving(self) -> Iterator[Arrived]:
+        """The requests that arrive at this tick; each must be ``send``."""
+        while (
+            self.next < len(self.arrivals)
+            and self.arrivals[self.next].tick <= self.tick
+        ):
+            a = self.arrivals[self.next]
+            req = bl.make_request(f"r{self.next}", a.prompt, self.hasher, a.max_tokens)
+            cap = (req.num_tokens - 1) // BS
+            yield Arrived(
+                self.next,
+                a.prompt,
+                req,
+                cap,
+                -(-req.num_tokens // BS),
+                [e.load() for e in self.engines],
+                [e.held_prefix(req.block_hashes[:cap]) for e in self.engines],
+            )
+            self.next += 1
+
+    def send(self, arrived: Arrived, engine: int) -> None:
+        req = arrived.request
+        self.served.arrival[req.request_id] = self.tick
+        self.served.prompt[req.request_id] = req.num_tokens
+        self.engines[engine].scheduler.add_request(req)
+
+    def step(self) -> None:
+        """One step of every engine with work (the tick ends with ``tick += 1``)."""
+        for e in self.engines:
+            self.served.record(self.tick, e.step())
+        if self.tick > 50 * len(self.arrivals) + 1000:
+            raise RuntimeError(f"the fleet did not finish in {self.tick} ticks")
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.scheduler.shutdown()
+
+
 def run_fleet(
     policy: str | None,
     name: str,
@@ -414,61 +481,41 @@ def run_fleet(
 ) -> dict[str, Any]:
     """One fleet run routed by ``index`` under ``routing``."""
     arrivals = workload(name, seed, requests, engines_n)
-    engines = [Engine(policy, seed * 1000 + w) for w in range(engines_n)]
+    fleet = Fleet(arrivals, [Engine(policy, seed * 1000 + w) for w in range(engines_n)])
     trees = {
         "set": DynamoIndex(engines_n, False),
         "counting": DynamoIndex(engines_n, True),
     }
     scores = {k: Scores() for k in INDEXES}
-    served = Served()
-    hasher = bl.make_hasher()
-    tick = i = sent = 0
-    busy = True
-    while i < len(arrivals) or busy:
-        while i < len(arrivals) and arrivals[i].tick <= tick:
-            a = arrivals[i]
-            req = bl.make_request(f"r{i}", a.prompt, hasher, a.max_tokens)
-            cap = (req.num_tokens - 1) // BS
-            need = -(-req.num_tokens // BS)
-            loads = [e.load() for e in engines]
-            truth = [e.held_prefix(req.block_hashes[:cap]) for e in engines]
-            held = {k: t.predict(a.prompt, cap) for k, t in trees.items()}
-            held["oracle"] = truth
-            picks = {
-                k: choose(routing if routing != "-" else "longest", h, need, loads)
-                for k, h in held.items()
-            }
+    # Round-robin's shadow indexes are scored as longest-prefix routers.
+    policy_of = routing if routing != "-" else "longest"
+    while fleet.running():
+        for a in fleet.arriving():
+            held = {k: t.predict(a.prompt, a.cap) for k, t in trees.items()}
+            held["oracle"] = a.truth
+            picks = {k: choose(policy_of, h, a.need, a.loads) for k, h in held.items()}
             for k, h in held.items():
                 w = picks[k]
-                scores[k].add(h[w], truth[w], w == picks["oracle"])
-            w = sent % engines_n if index == "round-robin" else picks[index]
-            sent += 1
-            served.arrival[req.request_id] = tick
-            served.prompt[req.request_id] = req.num_tokens
-            engines[w].scheduler.add_request(req)
-            i += 1
-        busy = False
-        for e in engines:
-            served.record(tick, e.step())
-            busy = busy or e.scheduler.has_unfinished_requests()
-        for w, e in enumerate(engines):
+                scores[k].add(h[w], a.truth[w], w == picks["oracle"])
+            fleet.send(
+                a, a.number % engines_n if index == "round-robin" else picks[index]
+            )
+        fleet.step()
+        for w, e in enumerate(fleet.engines):
             for batch in e.tap.take():
                 for t in trees.values():
                     t.feeds[w].apply(batch)
-        tick += 1
-        if tick > 50 * requests + 1000:
-            raise RuntimeError(f"{name}: the fleet did not finish in {tick} ticks")
-    wire = [e.tap.totals() for e in engines]
-    for e in engines:
-        e.scheduler.shutdown()
+        fleet.tick += 1
+    wire = [e.tap.totals() for e in fleet.engines]
+    fleet.shutdown()
     return {
         "workload": name,
         "engines": engines_n,
         "seed": seed,
         "index": index,
         "routing": routing,
-        "ticks": tick,
-        **served.figures([f"r{j}" for j in range(len(arrivals))]),
+        "ticks": fleet.tick,
+        **fleet.served.figures([f"r{j}" for j in range(len(arrivals))]),
         "scores": {k: s.figures() for k, s in scores.items()},
         "tree_rejections": {k: t.rejections() for k, t in trees.items()},
         "counts_below_zero": trees["counting"].below_zero(),
@@ -565,29 +612,28 @@ def run_gap(
     gap_end = gap_start + GAP_TICKS
     ours = recovery == "snapshot"
     publishers = [CountedPublisher(policy) for _ in range(engines_n)] if ours else []
-    engines = [
-        Engine(policy, seed * 1000 + w, publishers[w] if ours else None)
-        for w in range(engines_n)
-    ]
+    fleet = Fleet(
+        arrivals,
+        [
+            Engine(policy, seed * 1000 + w, publishers[w] if ours else None)
+            for w in range(engines_n)
+        ],
+    )
     views = [ConsumerView(p) for p in publishers]
     mirrors = [
         bl.CountMirror() if index == "counting" else bl.SetMirror()
         for _ in range(engines_n)
     ]
-    served = Served()
-    hasher = bl.make_hasher()
     after = Scores()
     after_ids: list[str] = []
     before = Scores()
-    tick = i = 0
-    busy = True
     try:
-        while i < len(arrivals) or busy:
-            if tick == gap_end:
+        while fleet.running():
+            if fleet.tick == gap_end:
                 if recovery == "relearn":
                     mirrors = [type(m)() for m in mirrors]
                 elif recovery == "reset":
-                    for e in engines:
+                    for e in fleet.engines:
                         if not e.scheduler.reset_prefix_cache(
                             reset_running_requests=True
                         ):
@@ -598,48 +644,37 @@ def run_gap(
                     for v in views:
                         v.close()
                     views = [ConsumerView(p) for p in publishers]
-            while i < len(arrivals) and arrivals[i].tick <= tick:
-                a = arrivals[i]
-                req = bl.make_request(f"r{i}", a.prompt, hasher, a.max_tokens)
-                cap = (req.num_tokens - 1) // BS
-                loads = [e.load() for e in engines]
-                truth = [e.held_prefix(req.block_hashes[:cap]) for e in engines]
+            for a in fleet.arriving():
                 if ours:
-                    held = [v.predict(a.prompt, cap) for v in views]
+                    held = [v.predict(a.prompt, a.cap) for v in views]
                 else:
-                    keys = [(convert(h), 0) for h in req.block_hashes[:cap]]
+                    keys = [(convert(h), 0) for h in a.request.block_hashes[: a.cap]]
                     held = [bl.prefix_len(keys, m.__contains__) for m in mirrors]
-                w = choose("longest", held, 0, loads)
-                w_true = choose("longest", truth, 0, loads)
-                if tick >= gap_end:
-                    after.add(held[w], truth[w], w == w_true)
-                    after_ids.append(req.request_id)
-                elif tick < gap_start:
-                    before.add(held[w], truth[w], w == w_true)
-                served.arrival[req.request_id] = tick
-                served.prompt[req.request_id] = req.num_tokens
-                engines[w].scheduler.add_request(req)
-                i += 1
-            busy = False
-            for e in engines:
-                served.record(tick, e.step())
-                busy = busy or e.scheduler.has_unfinished_requests()
+                w = choose("longest", held, 0, a.loads)
+                w_true = choose("longest", a.truth, 0, a.loads)
+                if fleet.tick >= gap_end:
+                    after.add(held[w], a.truth[w], w == w_true)
+                    after_ids.append(a.request.request_id)
+                elif fleet.tick < gap_start:
+                    before.add(held[w], a.truth[w], w == w_true)
+                fleet.send(a, w)
+            fleet.step()
+            missed = gap_start <= fleet.tick < gap_end
             if ours:
-                if not gap_start <= tick < gap_end:
+                if not missed:
                     for v in views:
                         v.catch_up()
             else:
-                for w, e in enumerate(engines):
+                for w, e in enumerate(fleet.engines):
                     for batch in e.tap.take():
-                        if not gap_start <= tick < gap_end:
+                        if not missed:
                             for ev in batch.events:
                                 mirrors[w].apply(ev)
-            tick += 1
+            fleet.tick += 1
     finally:
         for v in views:
             v.close()
-        for e in engines:
-            e.scheduler.shutdown()
+        fleet.shutdown()
     recoveries: dict[str, int] = {}
     for v in views:
         for k, n in v.follower.stats.recoveries.items():
@@ -655,7 +690,7 @@ def run_gap(
             "ticks": GAP_TICKS,
             "buffer_steps": BUFFER_STEPS,
         },
-        "after": {**served.figures(after_ids), **after.figures()},
+        "after": {**fleet.served.figures(after_ids), **after.figures()},
         "before": before.figures(),
         "consumer_recoveries_at_end": recoveries,
     }
@@ -1030,6 +1065,12 @@ def headline(report: dict[str, Any]) -> str:
     gw = report["plan"]["gap_workloads"][0]
     ignore = _gap_after(rows, gw, up, "counting", "ignore", "exact")
     ours = _gap_after(rows, gw, OURS, "consumer", "snapshot", "exact")
+    ours_hit = _gap_after(rows, gw, OURS, "consumer", "snapshot", "hit_ratio")
+
+    def cost(recovery: str) -> str:
+        hit = _gap_after(rows, gw, up, "counting", recovery, "hit_ratio")
+        return f"{100 * (ours_hit['median'] - hit['median']):.1f}"
+
     moon = [w for w in ("conversation",) if w in rows.workloads]
     moon_text = (
         f"; on the Mooncake conversation trace the two streams route alike "
@@ -1051,8 +1092,11 @@ def headline(report: dict[str, Any]) -> str:
         f"{_points(report, chat, 'set')}{moon_text}. After a missed burst "
         f"longer than the replay buffer ({gw}), a counting router on the official "
         f"stream stayed exact on {_pct(ignore['median'])} % of the following "
-        "requests; ours, restarted with the shipped consumer, recovered by "
-        f"snapshot and was exact on {_pct(ours['median'])} % "
+        "requests, and dropping its keys to relearn or resetting the engines' "
+        f"caches cost {cost('relearn')} or {cost('reset')} points of hit ratio; "
+        "ours, restarted with the shipped consumer, recovered by snapshot and "
+        f"was exact on {_pct(ours['median'])} % at {_pct(ours_hit['median'])} % "
+        "hit ratio "
         f"(medians over {len(report['plan']['seeds'])} seeds, {report['started']} "
         "UTC)."
     )

