@@ -1374,7 +1374,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
             "Figures over the requests that arrive after the gap; exact before: "
             "the requests before it; batches missed: per engine, over seeds "
             "(an engine idle through the gap publishes none); snapshots: "
-            "the restarted consumers' recoveries, summed over seeds."
+            "the restarted consumers' recoveries, summed over seeds. A "
+            "relearning router never learns a block that stays cached, as it "
+            "is never stored again: every request of the Mooncake conversation "
+            "trace opens with the same block, so it under-predicts them all."
         ),
         "",
         "| workload | stream | index | recovery | exact % before | exact % after "
