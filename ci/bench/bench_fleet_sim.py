@@ -175,10 +175,10 @@ def mooncake_workload(
 ) -> list[Arrival]:
     """Window ``seed`` (``requests`` lines from line ``seed * requests``) of
     a Mooncake trace: each 512-token block id is 16 tokens of its own (equal
-    ids, equal tokens), a partial last block its share of them, prompts cut
-    at ``MAX_PROMPT_BLOCKS`` blocks (plus 8 tokens of the next); output
-    lengths scaled by 1/32 (1 to ``MAX_TOKENS``); the window's timestamps
-    scaled to ``LOAD`` arrivals per engine per tick."""
+    ids, equal tokens), a partial last block its share of them (1 to 15),
+    prompts cut at ``MAX_PROMPT_BLOCKS`` blocks (plus 8 tokens of the next);
+    output lengths scaled by 1/32 (1 to ``MAX_TOKENS``); the window's
+    timestamps scaled to ``LOAD`` arrivals per engine per tick."""
     import numpy as np
 
     path = MOONCAKE / f"{trace}_trace.jsonl"
@@ -205,7 +205,9 @@ def mooncake_workload(
         if full >= MAX_PROMPT_BLOCKS and len(ids) > MAX_PROMPT_BLOCKS:
             prompt += block(ids[MAX_PROMPT_BLOCKS])[:8]
         elif rest:
-            prompt += block(ids[full])[: -(-rest * BS // 512)]
+            # Its share of the block's tokens, never all of them: a prompt
+            # the trace does not align stays unaligned.
+            prompt += block(ids[full])[: min(-(-rest * BS // 512), BS - 1)]
         max_tokens = min(max(round(r["output_length"] / 32), 1), MAX_TOKENS)
         tick = int((r["timestamp"] - t0) / ms_per_tick)
         out.append(Arrival(tick, prompt, max_tokens))
