@@ -1545,6 +1545,20 @@ def drive(
     }
 
 
+ROW_LISTS = ("fleet", "gap", "vs_upstream", "runs")
+
+
+def dump(report: dict[str, Any]) -> str:
+    """The report as JSON, one line per table row and per run (a rerun's diff
+    is one line per changed run)."""
+    head = {k: v for k, v in report.items() if k not in ROW_LISTS}
+    text = json.dumps(head, indent=1).removesuffix("\n}")
+    for key in ROW_LISTS:
+        rows = ",\n".join(f"  {json.dumps(r)}" for r in report[key])
+        text += f',\n "{key}": [\n{rows}\n ]'
+    return text + "\n}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     def drive_main(args: list[str]) -> int:
         ap = bl.driver_parser(__doc__)
@@ -1563,7 +1577,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         a.out.mkdir(parents=True, exist_ok=True)
         tmp = a.out / f".{REPORT}.tmp"
-        tmp.write_text(json.dumps(report, indent=1))
+        tmp.write_text(dump(report))
         tmp.replace(a.out / REPORT)
         print(
             f"{a.out / REPORT}: {len(report['runs'])} runs in {report['wall_s']:.0f} s",
