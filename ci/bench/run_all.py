@@ -349,7 +349,7 @@ def provenance_lines(
             seen.add(key)
             out.append(
                 f"- {name}: `vllm.v1.core.block_pool` from "
-                f"{bl.block_pool_where(name, info)} (Python {info['python']}, "
+                f"{bl.block_pool_where(name, info)}; Python {info['python']}, "
                 "copy_semantics switch: "
                 f"{'yes' if info['has_copy_semantics'] else 'no'}; vllm/*.py at "
                 f"start: {digest_before[name]}"
@@ -358,7 +358,6 @@ def provenance_lines(
                     if digest_after[name] == digest_before[name]
                     else f"; CHANGED during the run, at the end: {digest_after[name]}"
                 )
-                + ")"
             )
     out += [
         "- wall time per bench (block_pool includes the workers' start-up, "
@@ -843,7 +842,7 @@ def render(out: Path) -> None:
     snapshot = (
         json.loads(snapshot_json.read_text()) if snapshot_json.is_file() else None
     )
-    # Measured by its own command too (bench_fleet.py, run by ci/bench.sh).
+    # Measured by its own command too (bench_fleet.py, run on request).
     fleet_json = out / "fleet.json"
     fleet = json.loads(fleet_json.read_text()) if fleet_json.is_file() else None
     # The simulated fleet (bench_fleet_sim.py, run by ci/bench.sh).
