@@ -3,31 +3,40 @@
     PYTHONPATH=build/tree "$PY" ci/bench/bench_snapshot.py --out docs/benchmarks
 
 ``PYTHONPATH`` names a patched tree; ``$PY`` is the test venv's python
-(``PYTHONPATH=ci python3 -m overlay_harness.testenv dist/vllm-0.33.0*.whl``),
+(``PYTHONPATH=ci python3 -m overlay_harness.testenv dist/vllm-0.34.0*.whl``),
 which has the engine's requirements. It writes ``snapshot.json``:
 
 * ``live``: the real ``ZmqEventPublisher`` publishing the same stream of
-  batches (each 4 stored runs of 8 blocks of 16 tokens and 32 removed keys,
-  about 8,000 keys held) with the record on and off (``snapshot_max_keys``
-  1,000,000 and 0; both with a replay socket), alternated ABAB; per repeat
-  the time from the first ``publish`` to the last batch read by a SUB socket
-  on 127.0.0.1. Medians per mode, their ratio, and the spread of each mode
-  (its first half of repeats against its second).
-  Wall time and the process's CPU time (all threads), the latter less
-  disturbed by a loaded machine.
-* ``apply_cpu_us_per_batch``: ``KVEventRecord.apply`` alone on the same
-  batches (thread CPU time).
+  batches with the record on and off (``snapshot_max_keys`` 1,000,000 and
+  0; both with a replay socket), alternated ABAB, in two scenarios
+  (``SCENARIOS``): ``held_100k``, 100,000 keys held, and ``churn``, a
+  2,000-key cache where half the stores bring back evicted prefixes. A
+  batch is what an engine step under eviction sends: 4 requests, each
+  evicting 8 blocks (one single-key ``BlockRemoved`` per block, as
+  ``BlockPool`` sends them) and storing a run of 8 blocks of 16 tokens.
+  The stream is first filled to the scenario's held keys (untimed); per
+  repeat the time from the first timed ``publish`` to the last batch read
+  by a SUB socket on 127.0.0.1. Medians per mode, their ratio against
+  ``GOAL``, and the spread of each mode (its first half of repeats against
+  its second). Wall time and the process's CPU time (all threads), the
+  latter less disturbed by a loaded machine; the load average is recorded.
+* ``apply_cpu_us_per_batch`` (per scenario): ``KVEventRecord.apply`` alone
+  on the same batches (thread CPU time).
 * ``memory``: bytes per held key (tracemalloc) of a record built from such
   stores, the announcing events included (the record keeps them alive).
 * ``snapshot``: for 1k, 10k and 100k held keys, the time from a snapshot
   request to its end message at the consumer over ZMQ, the record's copy
   (the one step done at once) and the longest single batch (built, encoded,
   sent; median and longest), i.e. the pause a live batch can see.
+
+The import-time heap is frozen out of the garbage collector first, as
+``EngineCore`` does after start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -55,50 +64,80 @@ RUN = 8
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class Stream:
-    """A steady stream: runs of new blocks stored, the oldest keys removed."""
+GOAL = 1.10  # record on / off, process CPU, on the live publish path
+# name: (held keys, share of stores that bring back an evicted prefix)
+SCENARIOS = {"held_100k": (100_000, 0.0), "churn": (2_000, 0.5)}
 
-    def __init__(self, seed: int) -> None:
+
+class Stream:
+    """An engine under eviction: blocks stored in runs, the oldest evicted."""
+
+    def __init__(self, seed: int, held: int = 0, restore: float = 0.0) -> None:
         self.rng = random.Random(seed)
         self.next_hash = 1
         self.held: list[ExternalBlockHash] = []
+        self.target = held
+        self.restore = restore
+        self.evicted: list[list[ExternalBlockHash]] = []
+
+    def run(self, hashes: list[ExternalBlockHash]) -> BlockStored:
+        self.held.extend(hashes)
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=[
+                self.rng.randrange(1000, 32000) for _ in range(len(hashes) * BLOCK)
+            ],
+            block_size=BLOCK,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
+
+    def new_hashes(self) -> list[ExternalBlockHash]:
+        hashes: list[ExternalBlockHash] = list(
+            range(self.next_hash, self.next_hash + RUN)
+        )
+        self.next_hash += RUN
+        return hashes
 
     def stores(self, runs: int) -> list[Event]:
-        out: list[Event] = []
-        for _ in range(runs):
-            hashes: list[ExternalBlockHash] = list(
-                range(self.next_hash, self.next_hash + RUN)
-            )
-            self.next_hash += RUN
-            out.append(
-                BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=[
-                        self.rng.randrange(1000, 32000) for _ in range(RUN * BLOCK)
-                    ],
-                    block_size=BLOCK,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                    group_idx=0,
-                    kv_cache_spec_kind="full_attention",
-                )
-            )
-            self.held.extend(hashes)
-        return out
+        return [self.run(self.new_hashes()) for _ in range(runs)]
 
-    def batch(self, runs: int = 4, removals: int = 32) -> KVEventBatch:
-        events = self.stores(runs)
-        if len(self.held) > 8000:
-            gone, self.held = self.held[:removals], self.held[removals:]
-            events.append(BlockRemoved(block_hashes=gone, medium="GPU", group_idx=0))
+    def fill(self) -> list[KVEventBatch]:
+        """Batches of stores that take the stream to its held keys."""
+        runs = -(-self.target // RUN)
+        return [
+            KVEventBatch(ts=time.time(), events=self.stores(min(64, runs - done)))
+            for done in range(0, runs, 64)
+        ]
+
+    def batch(self, requests: int = 4) -> KVEventBatch:
+        events: list[Event] = []
+        for _ in range(requests):
+            if len(self.held) >= self.target:
+                gone, self.held = self.held[:RUN], self.held[RUN:]
+                self.evicted.append(gone)
+                events += [
+                    BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0)
+                    for h in gone
+                ]
+            if self.evicted and self.rng.random() < self.restore:
+                hashes = self.evicted.pop(self.rng.randrange(len(self.evicted)))
+            else:
+                hashes = self.new_hashes()
+            events.append(self.run(hashes))
         return KVEventBatch(ts=time.time(), events=events)
 
 
-def publish_time(batches: list[KVEventBatch], max_keys: int) -> tuple[float, float]:
+def publish_time(
+    warm: list[KVEventBatch], batches: list[KVEventBatch], max_keys: int
+) -> tuple[float, float]:
     """Wall and CPU seconds (this process, all threads) from the first
-    ``publish`` to the last batch read."""
+    ``publish`` of ``batches`` to the last batch read, ``warm`` published
+    and read before."""
     pub = ZmqEventPublisher(
         0,
         endpoint="tcp://*:0",
@@ -110,31 +149,44 @@ def publish_time(batches: list[KVEventBatch], max_keys: int) -> tuple[float, flo
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(pub.get_publisher_config().endpoint)
-    time.sleep(0.3)  # the SUB must be connected before the first batch
-    try:
-        start, cpu = time.perf_counter(), time.process_time()
-        for batch in batches:
-            pub.publish(batch)
+
+    def read_up_to(seq: int) -> None:
         last = -1
-        while last < len(batches) - 1:
+        while last < seq:
             if not sub.poll(5000):
                 raise RuntimeError(f"stalled after seq {last}")
             last = int.from_bytes(sub.recv_multipart()[1], "big")
+
+    try:
+        # Empty batches until the SUB's subscription has landed: a PUB
+        # drops what it sends before that.
+        sent = 0
+        while not sub.poll(50):
+            pub.publish(KVEventBatch(ts=time.time(), events=[]))
+            sent += 1
+        for batch in warm:
+            pub.publish(batch)
+        sent += len(warm)
+        read_up_to(sent - 1)
+        start, cpu = time.perf_counter(), time.process_time()
+        for batch in batches:
+            pub.publish(batch)
+        read_up_to(sent + len(batches) - 1)
         return time.perf_counter() - start, time.process_time() - cpu
     finally:
         sub.close(linger=0)
         pub.shutdown()
 
 
-def live(repeats: int, n_batches: int) -> dict[str, Any]:
-    stream = Stream(0)
-    warm = [stream.batch() for _ in range(400)]  # fills to ~8,000 held keys
-    batches = warm + [stream.batch() for _ in range(n_batches)]
+def scenario(held: int, restore: float, repeats: int, n_batches: int) -> dict[str, Any]:
+    stream = Stream(0, held, restore)
+    warm = stream.fill()
+    batches = [stream.batch() for _ in range(n_batches)]
     times: dict[str, list[float]] = {"on": [], "off": []}
     cpu: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(repeats):
         for mode in ("on", "off"):  # ABAB
-            wall, used = publish_time(batches, 1_000_000 if mode == "on" else 0)
+            wall, used = publish_time(warm, batches, 1_000_000 if mode == "on" else 0)
             times[mode].append(wall)
             cpu[mode].append(used)
 
@@ -152,13 +204,20 @@ def live(repeats: int, n_batches: int) -> dict[str, Any]:
 
     wall_us, cpu_us = per_batch_us(times), per_batch_us(cpu)
     record = KVEventRecord("logical")
+    for batch in warm:
+        record.apply(batch.events)
     start = time.thread_time()
     for batch in batches:
         record.apply(batch.events)
     apply_us = (time.thread_time() - start) / len(batches) * 1e6
+    removed = sum(isinstance(e, BlockRemoved) for b in batches for e in b.events)
+    stored = sum(isinstance(e, BlockStored) for b in batches for e in b.events)
     return {
         "batches": len(batches),
-        "events_per_batch": "4 BlockStored x 8 blocks x 16 tokens, 1 BlockRemoved x 32",
+        "held_keys": held,
+        "restored_share": restore,
+        "events_per_batch": f"{stored / len(batches):.1f} BlockStored x {RUN} "
+        f"blocks x {BLOCK} tokens, {removed / len(batches):.1f} BlockRemoved x 1",
         "wall_seconds": times,
         "cpu_seconds": cpu,
         "wall_us_per_batch": wall_us,
@@ -169,6 +228,13 @@ def live(repeats: int, n_batches: int) -> dict[str, Any]:
         "cpu_spread_first_half_over_second": spread(cpu),
         "apply_cpu_us_per_batch": apply_us,
         "held_keys_at_end": record.num_keys,
+    }
+
+
+def live(repeats: int, n_batches: int) -> dict[str, Any]:
+    return {
+        name: scenario(held, restore, repeats, n_batches)
+        for name, (held, restore) in SCENARIOS.items()
     }
 
 
@@ -247,16 +313,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="write snapshot.json here")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--batches", type=int, default=2000)
+    ap.add_argument("--batches", type=int, default=3000)
     args = ap.parse_args(argv)
     # tcp://*:0 binds VLLM_HOST_IP on a free port.
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if not args.out.is_dir():
         print(f"error: --out {args.out} is not a directory", file=sys.stderr)
         return 2
+    # As EngineCore after start-up (freeze_gc_heap): the import-time heap
+    # (torch, vLLM) out of the collector's way, so that a full collection
+    # (about 0.5 s here without this) is not timed as the record's pause.
+    gc.collect()
+    gc.freeze()
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_before": os.getloadavg(),
+        "goal_cpu_ratio": GOAL,
         "live": live(args.repeats, args.batches),
+        "load_average_after": os.getloadavg(),
         "memory": memory(100_000),
         "snapshot": [snapshot(n, 5) for n in (1_000, 10_000, 100_000)],
     }

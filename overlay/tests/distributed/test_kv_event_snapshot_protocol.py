@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+import tracemalloc
 
 import msgspec
 import pytest
@@ -265,6 +266,38 @@ def test_snapshot_sends_parents_first_with_the_announced_metadata(policy):
     for event in events[1:]:
         for i, h in enumerate(event.block_hashes):
             assert block_fields(event, i) == block_fields(*announced[h])
+
+
+@pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])
+def test_the_record_keeps_a_key_as_one_entry(policy):
+    """On the publish path the record allocates nothing per key but its
+    dict entry, which points at the announcing store (0008's cost there);
+    an (event, index) pair per key, as it kept before, is 56 bytes more."""
+    keys = 20_000
+    stores = [stored(range(h, h + 8)) for h in range(1, keys + 1, 8)]
+    evictions = [
+        BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0)
+        for h in range(1, keys + 1, 2)
+    ]
+    record = KVEventRecord(policy)
+    tracemalloc.start()
+    try:
+        record.apply(stores)
+        stored_bytes = tracemalloc.get_traced_memory()[0]
+        record.apply(evictions)
+        record.apply(stores[: len(stores) // 2])
+    finally:
+        tracemalloc.stop()
+    # A dict entry with its share of the index: 30 bytes at 20,000 keys.
+    assert stored_bytes / keys < 56
+    # Odd keys evicted, then the first half stored again: back are its odd
+    # keys, and under "physical" a second copy of its even ones.
+    want = set(range(2, keys + 1, 2)) | set(range(1, keys // 2, 2))
+    copies = keys // 4 if policy == "physical" else 0
+    assert record.num_keys == len(want) and record.num_copies == len(want) + copies
+    events = [e for batch in record.snapshot(keys_per_batch=1024) for e in batch]
+    held = [h for e in events[1:] for h in e.block_hashes]
+    assert len(held) == len(want) + copies and set(held) == want
 
 
 def test_cli_once_prints_the_state_and_the_prefix_match(capsys):

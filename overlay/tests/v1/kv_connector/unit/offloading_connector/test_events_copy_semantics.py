@@ -20,6 +20,7 @@ connector's scheduler drives them: ``prepare_store``, ``record_store``,
 """
 
 import json
+import tracemalloc
 from collections import Counter
 
 import pytest
@@ -44,6 +45,9 @@ from vllm.config import (
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventsTracker,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -57,6 +61,8 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_offload.base import (
     LookupResult,
+    Medium,
+    OffloadingEvent,
     OffloadingKVEventsConfig,
     ReqContext,
     ScheduleEndContext,
@@ -351,3 +357,33 @@ def test_engine_passes_copy_semantics_default_logical(model_dir, connectors):
     # Built directly (upstream's unit tests, third-party code): upstream's
     # stream.
     assert OffloadingKVEventsConfig(True, True).copy_semantics == "physical"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("ownership", [None, "secondary"])
+def test_counts_are_kept_only_where_they_are_read(policy, ownership):
+    """The tracker counts a tier's copies per hash only where something reads
+    the counts: every tier under "logical" and "last_copy" (their gates),
+    only the primary tier under "physical" (its reset removes every copy
+    there), so a secondary tier's hashes cost nothing under "physical"."""
+    tracker = OffloadingEventsTracker(
+        OffloadingKVEventsConfig(True, False, copy_semantics=policy)
+    )
+    hashes = 5_000
+    keys = [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(hashes)]
+    event = OffloadingEvent(
+        keys=keys, medium=Medium.CPU, removed=False, ownership=ownership
+    )
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        stored = list(tracker.take_events([event]))
+        del stored
+        per_hash = (tracemalloc.get_traced_memory()[0] - before) / hashes
+    finally:
+        tracemalloc.stop()
+    if policy == "physical" and ownership is not None:
+        assert per_hash < 8
+    else:
+        # A counted hash: its (tier, hash) key and the dict entry.
+        assert per_hash > 100
