@@ -80,3 +80,29 @@ def test_official_vllm_cpu_loses_the_tail_of_a_long_replay() -> None:
     (answer,) = run["answers"].values()
     assert answer["arrived"] < BATCHES and not answer["end_marker"], answer
 
+
+@pytest.mark.real_release
+def test_consumer_recovers_from_a_publisher_that_drops_replays() -> None:
+    """The reference consumer of this checkout against the official
+    ``vllm-cpu`` publisher (no snapshot service, ZMQ's default send HWM),
+    its replay requests through a 4 MB/s link: each long answer loses its
+    tail, end marker included. It must apply only the batches in order and
+    ask again from the first one missing, until it holds every key, and
+    say so. The consumer before this check gave up (``NoReply``: the same
+    request, cut the same way, three times)."""
+    result = run_harness(
+        official_cpu_serving_python(),
+        "replay_hwm",
+        ["--follow", "--batches", str(BATCHES), "--link-mb-s", "4"],
+        timeout_s=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = json.loads(result.stdout.splitlines()[-1])
+    print(run)
+    assert run["consumer"] == "checkout" and run["snapshot_service"] is False, run
+    assert run["error"] is None and run["synced"], run
+    assert run["next_seq"] == BATCHES, run
+    assert run["missing_keys"] == run["extra_keys"] == 0, run
+    assert run["recoveries"] == {"replay": 1}, run
+    incomplete = [a for a in run["anomalies"] if a.startswith("replay incomplete")]
+    assert incomplete and len(incomplete) == len(run["anomalies"]), run
