@@ -27,6 +27,7 @@ them into, ``vllm_kv_events_consumer.kv_events_schema``.
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections import Counter
@@ -305,6 +306,10 @@ class Follower:
     REQUEST_RETRIES = 2
     # Snapshots asked for before an incomplete one is a RecoveryFailed.
     SNAPSHOT_TRIES = 3
+    # Pauses after a busy refusal, the first BUSY_WAIT_S s, each twice the
+    # last (about 63 s in all), before the refusal is a RecoveryFailed.
+    BUSY_RETRIES = 6
+    BUSY_WAIT_S = 1.0
     # Replays asked for, each from the first seq still missing, while a
     # publisher without the snapshot service answers in part.
     LEGACY_REPLAYS = 8
@@ -576,8 +581,13 @@ class Follower:
 
     def _snapshot(self) -> None:
         """Apply a whole snapshot; one whose end marker counts other batches
-        than arrived (a dropped frame) is an anomaly and is asked again."""
-        for _ in range(self.SNAPSHOT_TRIES):
+        than arrived (a dropped frame) is an anomaly and is asked again. A
+        refusal while the publisher's snapshots are on (busy: it is sending
+        as many as it sends at once) is asked again after a pause."""
+        busy = 0
+        tries = 0
+        while tries < self.SNAPSHOT_TRIES:
+            tries += 1
             reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
             end = reply.end
             if not reply.complete:
@@ -585,6 +595,10 @@ class Follower:
                     f"snapshot incomplete: {len(reply.batches)} batches arrived, "
                     "no end marker"
                 )
+                continue
+            if end is not None and end["status"] == "refused" and self._busy(busy):
+                busy += 1
+                tries -= 1
                 continue
             if end is None or end["status"] != "ok":
                 reason = "no snapshot service" if end is None else end["reason"]
@@ -603,6 +617,23 @@ class Follower:
         self.epoch = end["epoch"]
         self.next_seq = end["resume_seq"]
         self.stats.recoveries["snapshot"] += 1
+
+    def _busy(self, waited: int) -> bool:
+        """After a snapshot refusal: if the publisher's snapshots are on (it
+        was busy) and fewer than ``BUSY_RETRIES`` pauses were taken, pause
+        (``BUSY_WAIT_S`` doubling, with jitter), keeping the live batches
+        that arrive, and return True."""
+        status = self.status()
+        if waited >= self.BUSY_RETRIES or not (
+            status and status["snapshot"]["enabled"]
+        ):
+            return False
+        pause = self.BUSY_WAIT_S * 2**waited * random.uniform(0.8, 1.2)
+        self.anomaly(f"snapshot refused, busy: asking again in {pause:.1f} s")
+        until = time.monotonic() + pause
+        while (left := until - time.monotonic()) > 0:
+            self.poll(min(left, 0.1))
+        return True
 
     def _drain(self) -> bool:
         """Apply the kept live batches from ``next_seq``; False on a hole."""
