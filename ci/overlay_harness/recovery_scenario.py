@@ -114,12 +114,21 @@ class WitnessTimeline:
                 self.times.append(time.time())
                 self.counts.append(self._base + self._live.batches)
 
-    def batches_between(self, start: float, end: float) -> int:
-        def at(t: float) -> int:
-            i = bisect.bisect_right(self.times, t)
-            return self.counts[i - 1] if i else 0
+    def _at(self, t: float) -> int:
+        i = bisect.bisect_right(self.times, t)
+        return self.counts[i - 1] if i else 0
 
-        return at(end) - at(start)
+    def batches_between(self, start: float, end: float) -> int:
+        return self._at(end) - self._at(start)
+
+    def next_batch_s(self, start: float) -> float | None:
+        """Seconds from ``start`` to the sample that first counts a batch
+        the witness got after it (None: none came)."""
+        before = self._at(start)
+        for i in range(bisect.bisect_right(self.times, start), len(self.times)):
+            if self.counts[i] > before:
+                return round(self.times[i] - start, 3)
+        return None
 
     def close(self) -> None:
         self._stop.set()
@@ -323,8 +332,10 @@ class Recovery:
     def silences(self, figures: dict[str, Any]) -> list[dict[str, Any]]:
         """Each recovery after which the consumer's next live batch came
         ``SILENCE_S`` or more later (or never), with the batches the witness
-        got in that time: none means the engine sent none, some means they
-        were lost or held on the consumer's side."""
+        got in that time and when its first one came (to within
+        ``WitnessTimeline.STEP_S``): none, or a first one as late as the
+        consumer's, means the engine sent none; an earlier one means it was
+        held or lost on the consumer's side."""
         found = []
         for name, f in figures.items():
             for r in f["recovered"]:
@@ -339,6 +350,7 @@ class Recovery:
                             "witness_batches_meanwhile": self.witness.batches_between(
                                 r["at"], end
                             ),
+                            "witness_next_batch_s": self.witness.next_batch_s(r["at"]),
                         }
                     )
         return found

@@ -49,7 +49,7 @@ TOKENS_PER_BATCH = 2000
 QUIET_S = 5.0
 
 
-def read_answer(dealer: zmq.Socket, delay_s: float) -> dict[str, Any]:
+def read_answer(dealer: zmq.Socket[bytes], delay_s: float) -> dict[str, Any]:
     """Wait ``delay_s``, then read one answer to its end marker, or until
     ``QUIET_S`` passes without a message."""
     time.sleep(delay_s)
@@ -71,7 +71,7 @@ def read_answer(dealer: zmq.Socket, delay_s: float) -> dict[str, Any]:
 
 
 def ask(endpoint: str, request: bytes, delay_s: float) -> dict[str, Any]:
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(endpoint)
     try:
         dealer.send_multipart((b"", request))
