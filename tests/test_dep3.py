@@ -66,6 +66,13 @@ RULES = [
         id="forwarded-missing",
     ),
     pytest.param(
+        # DEP-3: what upstream made needs no forwarding; anything else does.
+        _with("Forwarded", None, _with("Origin", "backport, vllm 0.33.0")),
+        _with("Forwarded", None, _with("Origin", "other, a mailing list")),
+        "no Forwarded: add 'Forwarded: <upstream URL>'",
+        id="forwarded-implied-by-an-upstream-origin",
+    ),
+    pytest.param(
         _with("Forwarded", "not-needed"),
         _with("Forwarded", "not-needed, test fixture"),
         "Forwarded: 'not-needed, test fixture' is not a URL, no or not-needed: "

@@ -8,10 +8,13 @@ and keeps ``BUFFER_STEPS`` batches for replay on ``tcp://127.0.0.1``
 (``server_scenario.Replay``), so that several consumers subscribe at once.
 The consumers are the reference consumer's ``Follower``
 (``vllm.distributed.kv_events_consumer``, the wheel's; for a wheel without
-it, the official one, this checkout's file), each driven by its own thread
-as its CLI drives it (live batches as they come, a status poll after
-``POLL_S`` without one). Its link can be cut: the batches that arrive then
-are lost, as on a dropped connection or a SUB past its high-water mark.
+it, the official one, this checkout's file; with ``--consumer-python``, the
+standalone consumer wheel in that python's venv, a router's, in a process of
+its own: ``consumer_host``), each driven by its own thread as its CLI drives
+it (live batches as they come, a status poll after ``consumer_host.POLL_S``
+without one).
+Its link can be cut: the batches that arrive then are lost, as on a dropped
+connection or a SUB past its high-water mark.
 
 - ``short``: joins at start; loses ``SHORT_GAP`` (< ``BUFFER_STEPS``)
   batches as the load starts: recovers by replay;
@@ -40,8 +43,11 @@ caller's, ``tests/test_cpu_server_recovery.py``), 2 on a set-up error.
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from overlay_harness import load_scenario, server_scenario
+from overlay_harness.consumer_host import Consumer, Host, RemoteConsumer
 from overlay_harness.load_scenario import Scenario, metric
 from overlay_harness.router_view import checkout_consumer
 from overlay_harness.server_scenario import Replay, Server, SetupError
@@ -64,8 +71,11 @@ SHORT_GAP = 3
 # samples of /metrics; the phase's last request can also end within the
 # join, so only the count before the join is required.
 DURING_MIN_RUNNING = 1
-# The reference CLI's default idle interval before a status poll.
-POLL_S = 1.0
+# A recovery followed by this long without a live batch is reported, with
+# what the witness got meanwhile (issue 31: about 2 s seen by a consumer).
+SILENCE_S = 0.5
+# Between two of the short consumer's gaps, with --short-gaps.
+GAP_EVERY_S = 1.0
 
 
 def consumer_module() -> tuple[Any, str]:
@@ -77,109 +87,84 @@ def consumer_module() -> tuple[Any, str]:
         return checkout_consumer(), "checkout"
 
 
-class Consumer:
-    """One reference consumer on its own thread, and a link that can be cut."""
+class WitnessTimeline:
+    """The witness's batch count over wall time (every ``STEP_S``), to tell
+    a consumer's silence after a recovery from the engine's: how many
+    batches the subscriber that sees every batch got meanwhile."""
 
-    def __init__(self, module: Any, name: str, replay: Replay) -> None:
-        outer = self
+    STEP_S = 0.02
 
-        class Linked(module.Follower):  # type: ignore[misc]
-            def on_live(self, seq: int, payload: bytes) -> None:
-                if outer.cut or outer.lose > 0:
-                    outer.lose -= not outer.cut
-                    outer.dropped += 1
-                    return
-                super().on_live(seq, payload)
-
-        self.name = name
-        self.module = module
-        self.cut = False
-        self.lose = 0
-        self.dropped = 0
-        self.unanswered = 0
-        self.lock = threading.Lock()
-        self.follower = Linked(replay.endpoint, replay.replay_endpoint)
-        joined = time.monotonic()
-        with self.lock:
-            self.follower.sync()
-            self.join_s = time.monotonic() - joined
-            self.join_keys = len(self.follower.mirror.held_keys())
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self._base = 0
+        self._live: load_scenario.LiveView | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def follow(self, live: load_scenario.LiveView) -> None:
+        """Count ``live``'s batches from now on, after the previous one's."""
+        self._base += self._live.batches if self._live is not None else 0
+        self._live = live
+
     def _run(self) -> None:
-        last_live = time.monotonic()
-        while not self._stop.is_set():
-            with self.lock:
-                try:
-                    if self.follower.poll(0.02):
-                        last_live = time.monotonic()
-                    elif time.monotonic() - last_live > POLL_S:
-                        self.follower.sync()
-                        last_live = time.monotonic()
-                except self.module.NoReply:
-                    # The server is down (a restart): ask again later.
-                    self.unanswered += 1
-                    last_live = time.monotonic()
+        while not self._stop.wait(self.STEP_S):
+            if self._live is not None:
+                self.times.append(time.time())
+                self.counts.append(self._base + self._live.batches)
 
-    def predict(self, prompt: list[int]) -> int:
-        """Tokens of ``prompt`` this consumer expects served from the cache,
-        once it is up to date with what the publisher has sent (the status
-        check its idle poll makes)."""
-        with self.lock:
-            self.follower.sync()
-            matched = self.follower.mirror.match(prompt)
-        blocks = min(max(matched.values(), default=0), (len(prompt) - 1) // BLOCK)
-        return blocks * BLOCK
+    def _at(self, t: float) -> int:
+        i = bisect.bisect_right(self.times, t)
+        return self.counts[i - 1] if i else 0
 
-    def held(self) -> set[Any]:
-        with self.lock:
-            return set(self.follower.mirror.held_keys())
+    def batches_between(self, start: float, end: float) -> int:
+        return self._at(end) - self._at(start)
 
-    def figures(self) -> dict[str, Any]:
-        self._stop.set()
-        self._thread.join()
-        f = self.follower
-        return {
-            "recoveries": dict(f.stats.recoveries),
-            "anomalies": [a.split(":", 1)[0] for a in f.stats.anomalies],
-            "anomaly_lines": f.stats.anomalies[:20],
-            "synced": f.synced,
-            "snapshot_service": f.snapshots,
-            "dropped": self.dropped,
-            "unanswered_status_polls": self.unanswered,
-            "applied_batches": f.stats.applied,
-            "unknown_removals": {
-                "set": len(f.mirror.set.unknown_removals),
-                "count": len(f.mirror.count.unknown_removals),
-            },
-            "join_s": round(self.join_s, 3),
-            "join_keys": self.join_keys,
-        }
+    def next_batch_s(self, start: float) -> float | None:
+        """Seconds from ``start`` to the sample that first counts a batch
+        the witness got after it (None: none came)."""
+        before = self._at(start)
+        for i in range(bisect.bisect_right(self.times, start), len(self.times)):
+            if self.counts[i] > before:
+                return round(self.times[i] - start, 3)
+        return None
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.follower.close()
 
 
 class Recovery:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.module, self.source = consumer_module()
+        self.host: Host | None = None
+        if args.consumer_python is not None:
+            ci = str(Path(__file__).resolve().parents[1])
+            self.host = Host(
+                subprocess.Popen(
+                    [str(args.consumer_python), "-m", "overlay_harness.consumer_host"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": ci},
+                )
+            )
+            self.source = "standalone"
         run_dir = Path(tempfile.mkdtemp(prefix="kv-recovery-"))
         self.replay = Replay(
             f"ipc://{run_dir}/kv-events",
             f"tcp://127.0.0.1:{server_scenario.free_port()}",
             BUFFER_STEPS,
         )
-        self.consumers: dict[str, Consumer] = {}
+        self.consumers: dict[str, Consumer | RemoteConsumer] = {}
         self.witness_mismatches: list[dict[str, Any]] = []
         self.probes: list[dict[str, Any]] = []
         self.during: dict[str, Any] = {}
         self.servers = 0
         self.startup_s: list[float] = []
+        self.witness = WitnessTimeline()
 
     def start(self) -> tuple[Server, Scenario]:
         self.servers += 1
@@ -193,11 +178,19 @@ class Recovery:
         )
         self.startup_s.append(round(server.startup_s, 1))
         scenario = Scenario(server, self.args)
+        self.witness.follow(scenario.live)
         scenario.predictors = {n: c.predict for n, c in self.consumers.items()}
         return server, scenario
 
-    def join(self, scenario: Scenario, name: str) -> Consumer:
-        consumer = Consumer(self.module, name, self.replay)
+    def join(self, scenario: Scenario, name: str) -> Consumer | RemoteConsumer:
+        live, replay = self.replay.endpoint, self.replay.replay_endpoint
+        consumer: Consumer | RemoteConsumer
+        if self.host is None:
+            consumer = Consumer(self.module, live, replay, BLOCK)
+        else:
+            consumer = RemoteConsumer(
+                self.host, name, endpoint=live, replay_endpoint=replay, block_size=BLOCK
+            )
         self.consumers[name] = consumer
         scenario.predictors[name] = consumer.predict
         return consumer
@@ -232,11 +225,14 @@ class Recovery:
         for record in scenario.run.probes[start:]:
             self.probes.append(record)
         with scenario.live.lock:
-            truth = (
-                set(witness.counting.counts)
-                if self.args.policy == "none"
-                else set(witness.set.keys)
-            )
+            truth = {
+                repr(key)
+                for key in (
+                    witness.counting.counts
+                    if self.args.policy == "none"
+                    else witness.set.keys
+                )
+            }
         for name, consumer in self.consumers.items():
             held = consumer.held()
             if held != truth:
@@ -256,17 +252,28 @@ class Recovery:
             target=self.join_during_load,
             args=(scenario, before + BUFFER_STEPS, load_done),
         )
-        self.consumers["short"].lose = SHORT_GAP
-        self.consumers["long"].cut = True
+        gaps = threading.Thread(target=self.short_gaps, args=(load_done,))
+        self.consumers["long"].link(cut=True, lose=0)
         joiner.start()
+        gaps.start()
         try:
             scenario.load(self.args.jobs)
         finally:
             load_done.set()
-            self.consumers["long"].cut = False
+            self.consumers["long"].link(cut=False, lose=0)
             joiner.join()
+            gaps.join()
         if "during" not in self.consumers:
             raise SetupError("the load phase ended before the `during` consumer joined")
+
+    def short_gaps(self, load_done: threading.Event) -> None:
+        """``short`` loses ``SHORT_GAP`` batches as the load starts, then
+        again every ``GAP_EVERY_S`` while it runs, ``--short-gaps`` times in
+        all (each one a replay recovery, under load)."""
+        for _ in range(self.args.short_gaps):
+            self.consumers["short"].link(cut=False, lose=SHORT_GAP)
+            if load_done.wait(GAP_EVERY_S):
+                return
 
     def run(self) -> dict[str, Any]:
         server, scenario = self.start()
@@ -295,6 +302,9 @@ class Recovery:
             }
             for c in self.consumers.values():
                 c.close()
+            if self.host is not None:
+                self.host.close()
+            self.witness.close()
         wrong = {
             n: [p for p in self.probes if p["predicted"][n] != p["served"]]
             for n in self.consumers
@@ -305,6 +315,7 @@ class Recovery:
             "seed": self.args.seed,
             "buffer_steps": BUFFER_STEPS,
             "short_gap": SHORT_GAP,
+            "short_gaps": self.args.short_gaps,
             "kv_blocks": load_scenario.NUM_BLOCKS,
             "server_starts": self.servers,
             "startup_s": self.startup_s,
@@ -315,13 +326,52 @@ class Recovery:
             "witness_mismatches": self.witness_mismatches,
             "during": self.during,
             "consumers": figures,
+            "silences_after_recovery": self.silences(figures),
         }
+
+    def silences(self, figures: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each recovery after which the consumer's next live batch came
+        ``SILENCE_S`` or more later (or never), with the batches the witness
+        got in that time and when its first one came (to within
+        ``WitnessTimeline.STEP_S``): none, or a first one as late as the
+        consumer's, means the engine sent none; an earlier one means it was
+        held or lost on the consumer's side."""
+        found = []
+        for name, f in figures.items():
+            for r in f["recovered"]:
+                wait = r["next_live_s"]
+                if wait is None or wait >= SILENCE_S:
+                    end = r["at"] + (wait if wait is not None else 3600.0)
+                    found.append(
+                        {
+                            "consumer": name,
+                            "by": r["by"],
+                            "next_live_s": wait,
+                            "witness_batches_meanwhile": self.witness.batches_between(
+                                r["at"], end
+                            ),
+                            "witness_next_batch_s": self.witness.next_batch_s(r["at"]),
+                        }
+                    )
+        return found
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--restart", action="store_true", help="restart the server, load again"
+    )
+    ap.add_argument(
+        "--short-gaps",
+        type=int,
+        default=1,
+        help="times the short consumer loses SHORT_GAP batches in a load phase",
+    )
+    ap.add_argument(
+        "--consumer-python",
+        type=Path,
+        help="run the consumers in this python's venv, the standalone consumer "
+        "wheel's (overlay_harness.consumer_host)",
     )
     args = load_scenario.parse_args(ap, argv, jobs=10, probes=8)
     started = time.monotonic()

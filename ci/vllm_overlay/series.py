@@ -35,6 +35,9 @@ DEP3_FIELDS = frozenset(
 # this project asks for the URL instead, so a reader can open what upstream
 # was sent.
 FORWARDED_WORDS = ("no", "not-needed")
+# Origin's keywords for a change upstream made (DEP-3): such a patch needs no
+# Forwarded field.
+UPSTREAM_ORIGINS = ("upstream, ", "backport, ")
 _URL = re.compile(r"https?://[^\s/]+\S*")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 SEPARATOR = "---"
@@ -191,7 +194,10 @@ def header_problems(patch: Patch) -> list[str]:
             "no Author or Origin: add 'Author: Name <address>', or for a "
             "backport 'Origin: backport, <upstream URL>'"
         )
-    if not header.get("Forwarded"):
+    # DEP-3: a patch taken from upstream ("upstream" or "backport" origin)
+    # has nothing to forward; Forwarded is for the project's own changes.
+    from_upstream = header.get("Origin", "").startswith(UPSTREAM_ORIGINS)
+    if not header.get("Forwarded") and not from_upstream:
         problems.append(
             "no Forwarded: add 'Forwarded: <upstream URL>', 'Forwarded: no' "
             "(not sent yet; say why in Description) or 'Forwarded: not-needed' "

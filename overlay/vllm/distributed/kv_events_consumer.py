@@ -5,7 +5,8 @@
 It follows the stream the way a router should (docs/snapshot-protocol.md):
 subscribe to the live stream first and buffer it; recover by an
 epoch-checked replay from the next expected ``seq`` when the publisher still
-buffers it, by a state snapshot otherwise (always at start); apply the
+buffers it and the answer arrives whole (every ``seq`` in order, then the
+end marker), by a state snapshot otherwise (always at start); apply the
 buffered live batches from the resume ``seq``; recover again on a gap, on a
 publisher restart (a new epoch, checked after every reconnection of the SUB
 socket and every removal of a key it does not hold, whatever the new epoch's
@@ -26,6 +27,7 @@ them into, ``vllm_kv_events_consumer.kv_events_schema``.
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections import Counter
@@ -277,10 +279,13 @@ class NoReply(Exception):
 class Reply:
     """One answer on the replay socket: the batches, then the end marker's
     map (None: a bare marker, the answer of a publisher without the
-    request-map protocol)."""
+    request-map protocol). ``complete`` is False for an answer whose end
+    marker never came: the batches that arrived before ``timeout_s`` of
+    silence (a publisher past its send high-water mark drops the rest)."""
 
     batches: list[tuple[int, bytes]]
     end: dict[str, Any] | None
+    complete: bool = True
 
 
 @dataclass
@@ -301,6 +306,13 @@ class Follower:
     REQUEST_RETRIES = 2
     # Snapshots asked for before an incomplete one is a RecoveryFailed.
     SNAPSHOT_TRIES = 3
+    # Pauses after a busy refusal, the first BUSY_WAIT_S s, each twice the
+    # last (about 63 s in all), before the refusal is a RecoveryFailed.
+    BUSY_RETRIES = 6
+    BUSY_WAIT_S = 1.0
+    # Replays asked for, each from the first seq still missing, while a
+    # publisher without the snapshot service answers in part.
+    LEGACY_REPLAYS = 8
 
     def __init__(
         self,
@@ -362,18 +374,20 @@ class Follower:
         down with the old connection. Every request is a read, so one left
         unanswered for ``timeout_s`` is sent again on a fresh socket, up to
         ``REQUEST_RETRIES`` times (ZMQ's "lazy pirate" client), before
-        ``NoReply``.
+        ``NoReply``. An answer cut short (batches, then ``timeout_s`` without
+        the end marker) is returned incomplete: the caller asks for what is
+        missing.
         """
         for _ in range(self.REQUEST_RETRIES + 1):
             reply = self._request_once(request)
-            if reply is not None:
+            if reply.complete or reply.batches:
                 return reply
         raise NoReply(
             f"no answer from {self._replay_endpoint} in "
             f"{self.REQUEST_RETRIES + 1} tries of {self._timeout_ms} ms"
         )
 
-    def _request_once(self, request: bytes) -> Reply | None:
+    def _request_once(self, request: bytes) -> Reply:
         self._req.send_multipart((b"", request))
         batches: list[tuple[int, bytes]] = []
         while True:
@@ -381,7 +395,7 @@ class Follower:
                 # A late answer must not be read as the next one's.
                 self._req.close(linger=0)
                 self._req = self._dealer()
-                return None
+                return Reply(batches, None, complete=False)
             _, _, seq_bytes, payload = self._req.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq == END_SEQ:
@@ -540,25 +554,52 @@ class Follower:
         raise RecoveryFailed("recovery did not converge in 8 rounds")
 
     def _replay(self, start_seq: int) -> bool:
+        """Apply the replay from ``start_seq`` if it arrives whole: every seq
+        from ``start_seq`` to the end marker's ``next_seq``, in order. A
+        publisher past its replay socket's send high-water mark drops the
+        rest of an answer (vLLM before 0.33.0), end marker or not: False,
+        and the caller takes a snapshot."""
         reply = self.request(
             msgspec.msgpack.encode(
                 {"op": "replay", "start_seq": start_seq, "epoch": self.epoch}
             )
         )
-        if reply.end is None or reply.end["status"] != "ok":
+        if reply.complete and (reply.end is None or reply.end["status"] != "ok"):
+            return False
+        seqs = [seq for seq, _ in reply.batches]
+        end = reply.end
+        if end is None or seqs != list(range(start_seq, end["next_seq"])):
+            self.anomaly(
+                f"replay incomplete: {_arrived(seqs, start_seq, reply)}; "
+                "taking a snapshot"
+            )
             return False
         for seq, payload in reply.batches:
-            if seq == self.next_seq:
-                self._apply(seq, payload)
+            self._apply(seq, payload)
         self.stats.recoveries["replay"] += 1
         return True
 
     def _snapshot(self) -> None:
         """Apply a whole snapshot; one whose end marker counts other batches
-        than arrived (a dropped frame) is an anomaly and is asked again."""
-        for _ in range(self.SNAPSHOT_TRIES):
+        than arrived (a dropped frame) is an anomaly and is asked again. A
+        refusal while the publisher's snapshots are on (busy: it is sending
+        as many as it sends at once) is asked again after a pause."""
+        busy = 0
+        tries = 0
+        while tries < self.SNAPSHOT_TRIES:
+            tries += 1
             reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
             end = reply.end
+            if not reply.complete:
+                self.anomaly(
+                    f"snapshot incomplete: {len(reply.batches)} batches arrived, "
+                    "no end marker"
+                )
+                continue
+            if end is not None and end["status"] == "refused" and self._busy(busy):
+                busy += 1
+                tries -= 1
+                continue
             if end is None or end["status"] != "ok":
                 reason = "no snapshot service" if end is None else end["reason"]
                 raise RecoveryFailed(f"snapshot refused: {reason}")
@@ -577,6 +618,23 @@ class Follower:
         self.next_seq = end["resume_seq"]
         self.stats.recoveries["snapshot"] += 1
 
+    def _busy(self, waited: int) -> bool:
+        """After a snapshot refusal: if the publisher's snapshots are on (it
+        was busy) and fewer than ``BUSY_RETRIES`` pauses were taken, pause
+        (``BUSY_WAIT_S`` doubling, with jitter), keeping the live batches
+        that arrive, and return True."""
+        status = self.status()
+        if waited >= self.BUSY_RETRIES or not (
+            status and status["snapshot"]["enabled"]
+        ):
+            return False
+        pause = self.BUSY_WAIT_S * 2**waited * random.uniform(0.8, 1.2)
+        self.anomaly(f"snapshot refused, busy: asking again in {pause:.1f} s")
+        until = time.monotonic() + pause
+        while (left := until - time.monotonic()) > 0:
+            self.poll(min(left, 0.1))
+        return True
+
     def _drain(self) -> bool:
         """Apply the kept live batches from ``next_seq``; False on a hole."""
         self.poll(0)
@@ -594,27 +652,70 @@ class Follower:
     def _recover_legacy(self) -> None:
         """A publisher without the snapshot service: replay from the next
         expected seq (0 at start) with upstream's 8-byte request. Past the
-        buffer this cannot recover: the mirror goes on from what it has."""
+        buffer this cannot recover: the mirror goes on from what it has.
+
+        Such a publisher (vLLM before 0.33.0) drops the rest of an answer
+        past its replay socket's send high-water mark, end marker or not.
+        Only the batches in order from the next seq are applied; while some
+        are missing, the replay is asked again from the first one missing
+        (they are still buffered), up to ``LEGACY_REPLAYS`` times."""
         self.synced = False
-        start = self.next_seq or 0
-        reply = self.request(start.to_bytes(8, "big"))
-        batches = [(s, p) for s, p in reply.batches if s >= start]
-        if not batches or batches[0][0] != start:
-            first = batches[0][0] if batches else None
+        start = self.next_seq = self.next_seq or 0
+        buffered = True
+        for _ in range(self.LEGACY_REPLAYS):
+            asked = self.next_seq
+            reply = self.request(asked.to_bytes(8, "big"))
+            batches = [(s, p) for s, p in reply.batches if s >= asked]
+            if asked == start and (not batches or batches[0][0] != start):
+                buffered = False
+                first = batches[0][0] if batches else None
+                self.anomaly(
+                    f"cannot recover: seq {start} is not buffered (replay starts "
+                    f"at {first}) and the publisher has no snapshot service"
+                )
+                if batches:
+                    self.next_seq = batches[0][0]
+            for seq, payload in batches:
+                if seq != self.next_seq:
+                    break
+                self._apply(seq, payload)
+            seqs = [s for s, _ in batches]
+            first = seqs[0] if seqs else asked
+            if reply.complete and seqs == list(range(first, self.next_seq)):
+                break
             self.anomaly(
-                f"cannot recover: seq {start} is not buffered (replay starts at "
-                f"{first}) and the publisher has no snapshot service"
+                f"replay incomplete: {_arrived(seqs, asked, reply)}; asking "
+                f"again from seq {self.next_seq}"
             )
+            if self.next_seq == asked:
+                break
         else:
+            self.anomaly(f"replay incomplete after {self.LEGACY_REPLAYS} requests")
+        if buffered:
             self.stats.recoveries["replay"] += 1
-        self.next_seq = start
-        for seq, payload in batches:
-            self._apply(seq, payload)
         self.poll(0)
         if self.pending and min(self.pending) > self.next_seq:
+            self.anomaly(
+                f"cannot recover: seqs {self.next_seq} to {min(self.pending) - 1} "
+                "were lost"
+            )
             self.next_seq = min(self.pending)
         self._drain()
         self.synced = True
+
+
+def _arrived(seqs: list[int], start_seq: int, reply: Reply) -> str:
+    """What a replay from ``start_seq`` brought, for an anomaly line."""
+    if reply.complete and reply.end is not None:
+        expected = f" of {reply.end['next_seq'] - start_seq}"
+    else:
+        expected = ""
+    in_order = seqs == list(range(start_seq, start_seq + len(seqs)))
+    return (
+        f"{len(seqs)}{expected} batches from seq {start_seq} arrived"
+        + ("" if reply.complete else ", no end marker")
+        + ("" if in_order else ", with holes")
+    )
 
 
 class RecoveryFailed(Exception):
