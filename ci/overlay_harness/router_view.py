@@ -21,6 +21,7 @@ Used only where vLLM is installed (the serving venv).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,10 @@ MIRRORS = (
 )
 
 
+@functools.cache
 def checkout_consumer() -> Any:
-    """The reference consumer module of this checkout, whatever the wheel."""
+    """The reference consumer module of this checkout, whatever the wheel
+    (loaded once per process)."""
     spec = importlib.util.spec_from_file_location("kv_events_consumer", MIRRORS)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the router mirrors from {MIRRORS}")

@@ -15,8 +15,8 @@ decides how events account for the copies:
 
 import inspect
 from collections.abc import Iterable
-from typing import get_args
 from types import SimpleNamespace
+from typing import get_args
 
 import msgspec
 import pytest
