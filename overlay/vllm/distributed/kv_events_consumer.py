@@ -220,14 +220,13 @@ class Mirror:
                 f"{', '.join(COPY_SEMANTICS)}"
             )
         self._copy_semantics = value
+        self._held_by_set = "set" in COPY_SEMANTICS[value]
 
     @property
     def view(self) -> SetMirror | CountMirror:
         """The mirror that says which keys are held: the set mirror where the
         stream keeps it exact, the counting mirror otherwise."""
-        if "set" in COPY_SEMANTICS[self.copy_semantics]:
-            return self.set
-        return self.count
+        return self.set if self._held_by_set else self.count
 
     def held(self, key: MirrorKey) -> bool:
         return key in self.view
