@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, built_wheel, run_harness
+from overlay_harness import seed_scenario
 from overlay_harness.serve_env import serve_env
 from overlay_harness.server_scenario import EXPECTED, IDLE_RESET_CLEARED
 from vllm_overlay.paths import target_layout
@@ -45,7 +46,7 @@ def serve_python() -> Path:
 
 
 @pytest.mark.real_release
-@pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])
+@pytest.mark.parametrize("policy", list(seed_scenario.EXPECTED))
 def test_cpu_server_seed_scenario(
     serve_python: Path,
     policy: str,

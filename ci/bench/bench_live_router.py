@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from overlay_harness import server_scenario  # noqa: E402
+from overlay_harness import seed_scenario, server_scenario  # noqa: E402
 from overlay_harness.router_view import RouterView  # noqa: E402
 
 BLOCK = server_scenario.BLOCK_SIZE
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     prompts = workload(args.requests, args.seed)
     runs = []
-    for policy in args.policy or ["logical", "last_copy", "physical"]:
+    for policy in args.policy or list(seed_scenario.EXPECTED):
         result = {"label": args.label, **run_policy(policy, prompts, args)}
         print(json.dumps(result), flush=True)
         runs.append(result)

@@ -150,6 +150,7 @@ def run_trace(
     max_steps: int,
 ) -> dict[str, Any]:
     import numpy as np
+    from vllm.distributed.kv_events import MEDIUM_GPU
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     bs = bl.BLOCK_SIZE
@@ -197,7 +198,10 @@ def run_trace(
                 req = bl.make_request(f"r{n_req}", prompt, hasher, max_tokens)
                 n_req += 1
                 pending_at_arrival += len(pool.kv_event_queue)
-                keys = [(maybe_convert_block_hash(h), 0) for h in req.block_hashes]
+                keys = [
+                    (MEDIUM_GPU, 0, maybe_convert_block_hash(h))
+                    for h in req.block_hashes
+                ]
                 max_hit = (req.num_tokens - 1) // bs
                 _, ntok, *_ = kvm.get_computed_blocks(req)
                 index_hit = 0

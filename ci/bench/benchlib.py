@@ -34,9 +34,9 @@ from overlay_harness.cpu_scheduler import (  # noqa: E402, F401
     make_cpu_scheduler,
     step,
 )
+from overlay_harness.router_view import checkout_consumer  # noqa: E402
 
 BLOCK_SIZE = 16
-POLICIES: tuple[str, ...] = ("logical", "last_copy", "physical")
 RESULT_PREFIX = "@@RESULT@@ "
 # Label of the unpatched tree (it has no copy_semantics switch).
 UPSTREAM = "upstream"
@@ -356,7 +356,11 @@ def has_copy_semantics() -> bool:
 
 def policies() -> list[str | None]:
     """The tree's copy-semantics policies; ``[None]`` on the unpatched tree."""
-    return list(POLICIES) if has_copy_semantics() else [None]
+    if not has_copy_semantics():
+        return [None]
+    from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS
+
+    return list(KV_EVENTS_COPY_SEMANTICS)
 
 
 def policy_label(policy: str | None) -> str:
@@ -555,90 +559,29 @@ def copies_per_key(pool: Any) -> list[int]:
     return [len(dup_ids.get(key, ())) or 1 for key in index._cache]
 
 
-def resident_external_keys(pool: Any) -> set[tuple[Any, int]]:
+def resident_external_keys(pool: Any) -> set[tuple[Any, int, Any]]:
     """``resident_keys`` as a router sees them in events."""
     return {external_key(k) for k in resident_keys(pool)}
 
 
-def external_key(key: Any) -> tuple[Any, int]:
-    """A pool key as a router sees it in events: (external hash, group)."""
+def external_key(key: Any) -> tuple[Any, int, Any]:
+    """A device pool's key as a router sees it in events: the reference
+    consumer's (medium, group, external hash)."""
+    from vllm.distributed.kv_events import MEDIUM_GPU
     from vllm.v1.core.kv_cache_utils import (
         get_block_hash,
         get_group_id,
         maybe_convert_block_hash,
     )
 
-    return (maybe_convert_block_hash(get_block_hash(key)), get_group_id(key))
+    return (
+        MEDIUM_GPU,
+        get_group_id(key),
+        maybe_convert_block_hash(get_block_hash(key)),
+    )
 
 
-# --------------------------------------------------------------------------
-# router mirrors
-# --------------------------------------------------------------------------
-
-
-class SetMirror:
-    """AIBrix-style router view: store=add, remove=discard, clear=clear."""
-
-    def __init__(self) -> None:
-        self.keys: set[tuple[Any, int | None]] = set()
-        self.orphan_removals = 0
-
-    def apply(self, event: Any) -> None:
-        kind = type(event).__name__
-        if kind == "BlockStored":
-            for h in event.block_hashes:
-                self.keys.add((h, event.group_idx))
-        elif kind == "BlockRemoved":
-            for h in event.block_hashes:
-                k = (h, event.group_idx)
-                if k in self.keys:
-                    self.keys.discard(k)
-                else:
-                    self.orphan_removals += 1
-        elif kind == "AllBlocksCleared":
-            self.keys.clear()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.keys
-
-    def key_set(self) -> set[tuple[Any, int | None]]:
-        return set(self.keys)
-
-
-class CountMirror:
-    """Dynamo/llm-d-style filter: +1 per stored hash, -1 per removal, 0 drops."""
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple[Any, int | None], int] = {}
-        self.orphan_removals = 0
-
-    def apply(self, event: Any) -> None:
-        kind = type(event).__name__
-        if kind == "BlockStored":
-            for h in event.block_hashes:
-                k = (h, event.group_idx)
-                self.counts[k] = self.counts.get(k, 0) + 1
-        elif kind == "BlockRemoved":
-            for h in event.block_hashes:
-                k = (h, event.group_idx)
-                c = self.counts.get(k, 0)
-                if c <= 1:
-                    if c == 0:
-                        self.orphan_removals += 1
-                    self.counts.pop(k, None)
-                else:
-                    self.counts[k] = c - 1
-        elif kind == "AllBlocksCleared":
-            self.counts.clear()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.counts
-
-    def key_set(self) -> set[tuple[Any, int | None]]:
-        return set(self.counts)
-
-
-def prefix_len(keys: Sequence[tuple[Any, int]], contains: Callable[[Any], bool]) -> int:
+def prefix_len(keys: Sequence[Any], contains: Callable[[Any], bool]) -> int:
     n = 0
     for k in keys:
         if not contains(k):
@@ -691,12 +634,18 @@ class EventTap:
     """Stands in for ZmqEventPublisher: each batch counted, sized, mirrored.
 
     Every published ``KVEventBatch`` is counted (``event_counts``), sized as
-    the publisher sends it (``WireCounter``) and fed to a set mirror and a
-    counting mirror.
+    the publisher sends it (``WireCounter``) and fed to the reference
+    consumer's set mirror and counting mirror (``SetMirror``,
+    ``CountMirror``: keys (medium, group, hash), unknown removals recorded),
+    loaded from this checkout whatever the tree, the unpatched one included.
     """
 
     def __init__(self) -> None:
-        self.mirrors: dict[str, Any] = {"set": SetMirror(), "count": CountMirror()}
+        consumer = checkout_consumer()
+        self.mirrors: dict[str, Any] = {
+            "set": consumer.SetMirror(),
+            "count": consumer.CountMirror(),
+        }
         self.wire = WireCounter()
         self.counts = event_counts(())
 
@@ -720,14 +669,17 @@ class EventTap:
             "frame_bytes": self.wire.frame_bytes,
         }
 
-    def mirror_check(self, truth: set[tuple[Any, int]]) -> dict[str, dict[str, int]]:
-        """Per mirror: stale and missing keys against ``truth``, orphan removals."""
+    def mirror_check(
+        self, truth: set[tuple[Any, int, Any]]
+    ) -> dict[str, dict[str, int]]:
+        """Per mirror: stale and missing keys against ``truth``, removals of
+        keys it did not hold (``orphan_removals``)."""
         check = {}
         for name, m in self.mirrors.items():
             held = m.key_set()
             check[name] = {
                 "stale": len(held - truth),
                 "missing": len(truth - held),
-                "orphan_removals": m.orphan_removals,
+                "orphan_removals": len(m.unknown_removals),
             }
         return check

@@ -3,24 +3,27 @@
 What a deployed KV-aware router keeps per engine: a *set* mirror (store
 adds a key, removal discards it: AIBrix, simple routers) and a *counting*
 mirror (one count per stored copy, the key leaves at 0: Dynamo's and
-llm-d's filters), both the reference consumer's
-(``overlay/vllm/distributed/kv_events_consumer.py``, the mirrors the overlay
-tests use too, loaded from this checkout by path, so that a run against any
-wheel, the official one included, judges the stream with one piece of
-code); and a token index, since a router sees token ids,
-not block hashes: each ``BlockStored`` names its blocks' tokens and its
-parent's hash, which maps every stored prefix of token ids to its key.
+llm-d's filters). Each is the reference consumer's ``Mirror``
+(``overlay/vllm/distributed/kv_events_consumer.py``, the one the overlay
+tests and the benchmarks use too), loaded from this checkout by path, so
+that a run against any wheel, the official one included, judges the stream
+with one piece of code. A ``Mirror`` keeps both mirrors and a token index
+(a router sees token ids, not block hashes: each ``BlockStored`` names its
+blocks' tokens and its parent's hash), and matches by the one its copy
+semantics names: the set mirror's for "last_copy", the counting mirror's
+for "physical".
 
 ``predict`` gives what each mirror expects the engine to serve from its
 cache for a prompt: the longest run of leading full blocks the mirror
-holds, capped as vLLM caps a hit (the prompt's last token is always
-computed), in tokens.
+holds (``Mirror.match``), capped as vLLM caps a hit (the prompt's last
+token is always computed), in tokens.
 
 Used only where vLLM is installed (the serving venv).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,10 @@ MIRRORS = (
 )
 
 
+@functools.cache
 def checkout_consumer() -> Any:
-    """The reference consumer module of this checkout, whatever the wheel."""
+    """The reference consumer module of this checkout, whatever the wheel
+    (loaded once per process)."""
     spec = importlib.util.spec_from_file_location("kv_events_consumer", MIRRORS)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the router mirrors from {MIRRORS}")
@@ -45,18 +50,21 @@ def checkout_consumer() -> Any:
 
 
 class RouterView:
-    """The set and counting mirrors of one engine's stream, its token index,
-    and the stream's defects as a consumer sees them."""
+    """The set and counting mirrors of one engine's stream, their prefix
+    matches, and the stream's defects as a consumer sees them."""
 
     def __init__(self, block_size: int) -> None:
-        mirrors = checkout_consumer()
+        consumer = checkout_consumer()
         self.block_size = block_size
-        self.set = mirrors.SetMirror()
-        self.counting = mirrors.CountMirror()
-        # parent hash -> the token ids of the prefix that block ends
-        self._prefix_of: dict[Any, tuple[int, ...]] = {}
-        # prefix of token ids (whole blocks) -> its mirror key
-        self._key_of: dict[tuple[int, ...], Any] = {}
+        # The copy semantics whose stream each router style follows.
+        self.mirrors = {
+            "set": consumer.Mirror("last_copy"),
+            "counting": consumer.Mirror("physical"),
+        }
+        self.set = self.mirrors["set"].set
+        self.counting = self.mirrors["counting"].count
+        # Every block hash stored under a parent the stream had stored.
+        self._placed: set[Any] = set()
         self.repeat_stores = 0
         self.orphan_stores = 0
         self.stored = 0
@@ -72,51 +80,31 @@ class RouterView:
 
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self._index(ev)
+                if ev.parent_block_hash is None or ev.parent_block_hash in self._placed:
+                    self._placed.update(ev.block_hashes)
+                else:
+                    # Its tokens cannot be placed: the stream never stored
+                    # its parent, so no prompt can be routed to these blocks.
+                    self.orphan_stores += 1
                 for h in ev.block_hashes:
                     # A store of a key the engine already announced: a
                     # second copy, or a stream that lost its removal.
-                    self.repeat_stores += (ev.medium, ev.group_idx, h) in (
-                        self.counting.counts
-                    )
+                    self.repeat_stores += (ev.medium, ev.group_idx, h) in self.counting
                 self.stored += len(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 self.removed += len(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.cleared += 1
-            self.set.apply(ev)
-            self.counting.apply(ev)
-
-    def _index(self, ev: Any) -> None:
-        parent: tuple[int, ...] = ()
-        if ev.parent_block_hash is not None:
-            if ev.parent_block_hash not in self._prefix_of:
-                # Its tokens cannot be placed: the stream never stored its
-                # parent, so no prompt can be routed to these blocks.
-                self.orphan_stores += 1
-                return
-            parent = self._prefix_of[ev.parent_block_hash]
-        for i, h in enumerate(ev.block_hashes):
-            prefix = parent + tuple(ev.token_ids[: (i + 1) * self.block_size])
-            self._prefix_of[h] = prefix
-            self._key_of[prefix] = (ev.medium, ev.group_idx, h)
+            for mirror in self.mirrors.values():
+                mirror.apply(ev)
 
     def predict(self, prompt: list[int]) -> dict[str, int]:
         """Tokens of ``prompt`` each mirror expects served from the cache."""
-        holds = {
-            "set": self.set.keys.__contains__,
-            "counting": self.counting.counts.__contains__,
-        }
         cap = (len(prompt) - 1) // self.block_size
         out = {}
-        for name, held in holds.items():
-            blocks = 0
-            while blocks < cap:
-                key = self._key_of.get(tuple(prompt[: (blocks + 1) * self.block_size]))
-                if key is None or not held(key):
-                    break
-                blocks += 1
-            out[name] = blocks * self.block_size
+        for name, mirror in self.mirrors.items():
+            blocks = max(mirror.match(prompt).values(), default=0)
+            out[name] = min(blocks, cap) * self.block_size
         return out
 
     def mirrors_agree(self) -> bool:

@@ -450,13 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         "--policy",
         action="append",
         choices=list(EXPECTED),
-        help="copy_semantics value; repeatable (default: logical, last_copy, "
-        "physical); 'none' leaves the field out",
+        help="copy_semantics value; repeatable (default: every one the seed "
+        "scenario expects figures for); 'none' leaves the field out",
     )
     add_server_args(ap, request_timeout_s=120.0, quiet_s=2.0)
     ap.add_argument("--out", type=Path, help="also write the reports here (JSON)")
     args = ap.parse_args(argv)
-    policies = args.policy or ["logical", "last_copy", "physical"]
+    policies = args.policy or list(seed_scenario.EXPECTED)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="seed-scenario-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS
 from vllm.distributed import kv_events_consumer
 from vllm.distributed.kv_events import (
     BlockRemoved,
@@ -243,7 +244,7 @@ def test_a_request_lost_with_its_connection_is_sent_again():
         router.close(linger=0)
 
 
-@pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])
+@pytest.mark.parametrize("policy", KV_EVENTS_COPY_SEMANTICS)
 def test_snapshot_sends_parents_first_with_the_announced_metadata(policy):
     record = KVEventRecord(policy)
     child = stored([5, 6], parent=4, locality="LOCAL", session_id="s")

@@ -68,6 +68,19 @@ Tier = tuple[str | None, int | None]
 
 END_SEQ = int.from_bytes(ZMQ_END_SEQ, "big", signed=True)
 
+# Each ``copy_semantics`` an engine can report (the engine's own
+# ``vllm.config.kv_events.KVEventsCopySemantics``, in its order: a test
+# checks that they are equal), and the mirrors its stream keeps exact. The
+# harness, the benchmarks and the tests take the names from here.
+COPY_SEMANTICS: dict[str, frozenset[str]] = {
+    # BlockStored on a key's first copy, BlockRemoved on its last.
+    "logical": frozenset({"set", "count"}),
+    # A BlockStored per copy, BlockRemoved on the last: a count stays high.
+    "last_copy": frozenset({"set"}),
+    # One of each per copy (vLLM's own stream): a set drops a held key.
+    "physical": frozenset({"count"}),
+}
+
 
 def _keys(event: BlockStored | BlockRemoved) -> list[MirrorKey]:
     return [(event.medium, event.group_idx, h) for h in event.block_hashes]
@@ -93,6 +106,12 @@ class SetMirror:
         elif isinstance(event, AllBlocksCleared):
             self.keys.clear()
 
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def key_set(self) -> set[MirrorKey]:
+        return set(self.keys)
+
 
 class CountMirror:
     """A reference-counting router (Dynamo, llm-d): +1 per stored hash, -1 per
@@ -117,6 +136,12 @@ class CountMirror:
                     self.unknown_removals.append((key, event))
         elif isinstance(event, AllBlocksCleared):
             self.counts.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.counts
+
+    def key_set(self) -> set[MirrorKey]:
+        return set(self.counts)
 
 
 def block_fields(event: BlockStored, i: int) -> tuple[Any, ...]:
@@ -150,10 +175,13 @@ def block_fields(event: BlockStored, i: int) -> tuple[Any, ...]:
 class Mirror:
     """Both mirrors of one stream, and the prefix index of the keys held.
 
-    "Held" follows the publisher's ``copy_semantics``: the set mirror under
-    "logical" and "last_copy", the counting mirror under "physical" (vLLM's
-    own behaviour, so the default for a publisher that does not say). Each
-    held key keeps the BlockStored that announced it and its index there
+    "Held" follows the publisher's ``copy_semantics`` (``view``): the set
+    mirror where ``COPY_SEMANTICS`` says the stream keeps it exact
+    ("logical", "last_copy"), the counting mirror otherwise ("physical",
+    vLLM's own behaviour, so the default for a publisher that does not say);
+    both are kept, whatever the policy. A removal of a key a mirror does not
+    hold is recorded in its ``unknown_removals``, never clamped. Each held
+    key keeps the BlockStored that announced it and its index there
     (``announced``); only keys without extra keys (LoRA, multimodal, cache
     salt) are indexed for ``match``, which takes plain token ids.
 
@@ -182,15 +210,38 @@ class Mirror:
         smaller)."""
         return {tier: max(sizes) for tier, sizes in self._sizes.items()}
 
+    @property
+    def copy_semantics(self) -> str:
+        return self._copy_semantics
+
+    @copy_semantics.setter
+    def copy_semantics(self, value: str) -> None:
+        if value not in COPY_SEMANTICS:
+            raise ValueError(
+                f"unknown copy_semantics {value!r}; this consumer knows "
+                f"{', '.join(COPY_SEMANTICS)}"
+            )
+        self._copy_semantics = value
+        self._held_by_set = "set" in COPY_SEMANTICS[value]
+
+    @property
+    def view(self) -> SetMirror | CountMirror:
+        """The mirror that says which keys are held: the set mirror where the
+        stream keeps it exact, the counting mirror otherwise."""
+        return self.set if self._held_by_set else self.count
+
     def held(self, key: MirrorKey) -> bool:
-        if self.copy_semantics == "physical":
-            return key in self.count.counts
-        return key in self.set.keys
+        return key in self.view
 
     def held_keys(self) -> set[MirrorKey]:
-        if self.copy_semantics == "physical":
-            return set(self.count.counts)
-        return set(self.set.keys)
+        return self.view.key_set()
+
+    @property
+    def unknown_removals(self) -> list[tuple[MirrorKey, object]]:
+        """Removals of keys the held view does not hold (each with its
+        event): never clamped, always a defect of the stream or a stream the
+        mirror did not follow from its start."""
+        return self.view.unknown_removals
 
     def apply(self, event: object) -> None:
         self.set.apply(event)
@@ -489,10 +540,7 @@ class Follower:
             self._verify_epoch()
 
     def _unknown_removals(self) -> int:
-        mirror = self.mirror
-        if mirror.copy_semantics == "physical":
-            return len(mirror.count.unknown_removals)
-        return len(mirror.set.unknown_removals)
+        return len(self.mirror.unknown_removals)
 
     # -- recovery -----------------------------------------------------------
 
@@ -766,7 +814,7 @@ def main(argv: Iterable[str] | None = None, prog: str | None = None) -> int:
     )
     parser.add_argument(
         "--copy-semantics",
-        choices=("logical", "last_copy", "physical"),
+        choices=tuple(COPY_SEMANTICS),
         help="the engine's policy, if it does not report one (default: physical)",
     )
     parser.add_argument(

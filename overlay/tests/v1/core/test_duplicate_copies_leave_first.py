@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.v1.core.block_pool_view import copies
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -97,7 +98,7 @@ def resident_copies(pool: BlockPool, token_ids: list[int]) -> set[int]:
     return set(copies(pool, key))
 
 
-@pytest.mark.parametrize("copy_semantics", ["logical", "last_copy", "physical"])
+@pytest.mark.parametrize("copy_semantics", KV_EVENTS_COPY_SEMANTICS)
 def test_freed_copy_leaves_first_while_another_copy_is_in_use(copy_semantics):
     pool = make_pool(copy_semantics)
     a = compute(pool, "a", PROMPT)

@@ -14,16 +14,20 @@ decides how events account for the copies:
 """
 
 import inspect
-from collections import Counter
 from collections.abc import Iterable
 from types import SimpleNamespace
+from typing import get_args
 
 import msgspec
 import pytest
 import torch
 
 from tests.v1.core.block_pool_view import new_block_map
-from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_events import (
+    KV_EVENTS_COPY_SEMANTICS,
+    KVEventsConfig,
+    KVEventsCopySemantics,
+)
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -35,6 +39,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
     ZmqEventPublisher,
 )
+from vllm.distributed.kv_events_consumer import COPY_SEMANTICS, Mirror
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -62,7 +67,7 @@ from vllm.v1.request import Request
 
 pytestmark = pytest.mark.cpu_test
 
-POLICIES = ("logical", "last_copy", "physical")
+POLICIES = KV_EVENTS_COPY_SEMANTICS
 BLOCK_SIZE = 4
 
 
@@ -130,39 +135,16 @@ def removed_hashes(events: Iterable[KVCacheEvent]) -> list:
     return [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
 
-class Mirrors:
-    """What a set-style and a reference-counting consumer believe."""
-
-    def __init__(self) -> None:
-        self.set_view: set[tuple] = set()
-        self.counts: Counter[tuple] = Counter()
-
-    def apply(self, events: Iterable[KVCacheEvent]) -> None:
-        for event in events:
-            if isinstance(event, AllBlocksCleared):
-                self.set_view.clear()
-                self.counts.clear()
-                continue
-            for h in event.block_hashes:
-                key = (h, event.group_idx, event.medium)
-                if isinstance(event, BlockStored):
-                    self.set_view.add(key)
-                    self.counts[key] += 1
-                else:
-                    self.set_view.discard(key)
-                    if self.counts[key] > 0:
-                        self.counts[key] -= 1
-                    if self.counts[key] == 0:
-                        del self.counts[key]
-
-    @property
-    def count_view(self) -> set[tuple]:
-        return set(self.counts)
+def apply(mirror: Mirror, events: Iterable[KVCacheEvent]) -> None:
+    """Feed ``events`` to the reference consumer's mirrors: a set-style and a
+    reference-counting consumer, keyed (medium, group, hash)."""
+    for event in events:
+        mirror.apply(event)
 
 
 def resident_keys(pool: BlockPool) -> set[tuple]:
     return {
-        (ext(get_block_hash(k)), get_group_id(k), pool.medium)
+        (pool.medium, get_group_id(k), ext(get_block_hash(k)))
         for k in pool.cached_block_hash_to_block.resident_keys
     }
 
@@ -178,6 +160,14 @@ def test_copy_semantics_config_default_and_values():
     assert (
         BlockPool(num_gpu_blocks=2, enable_caching=True, hash_block_size=4)
     ).kv_events_copy_semantics == "logical"
+
+
+def test_consumer_knows_exactly_the_engines_copy_semantics():
+    """The reference consumer runs without the engine, so it names the
+    policies itself; they must be the engine's, in its order."""
+    assert tuple(COPY_SEMANTICS) == get_args(KVEventsCopySemantics) == POLICIES
+    with pytest.raises(ValueError, match="last_copy"):
+        Mirror("per_copy")
 
 
 def test_copy_semantics_config_rejects_unknown_value():
@@ -325,7 +315,7 @@ def test_seed_example_evicting_one_copy_of_h3(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_three_copies_evicted_one_by_one(policy):
     pool = make_pool(policy)
-    mirrors = Mirrors()
+    mirror = Mirror(policy)
     copies = []
     # All three in use before any is freed: a copy freed while another stays
     # resident goes to the front of the free queue and would be reused.
@@ -338,7 +328,7 @@ def test_three_copies_evicted_one_by_one(policy):
         pool.free_blocks([block])
     target = ext(req.block_hashes[0])
     events = pool.take_events()
-    mirrors.apply(events)
+    apply(mirror, events)
     assert stored_hashes(events) == [target] * (1 if policy == "logical" else 3)
 
     removed_per_step = []
@@ -346,20 +336,48 @@ def test_three_copies_evicted_one_by_one(policy):
     for block in copies:
         pool.evict_blocks({block.block_id})
         events = pool.take_events()
-        mirrors.apply(events)
+        apply(mirror, events)
         removed_per_step.append(removed_hashes(events).count(target))
-        set_ok.append(mirrors.set_view == resident_keys(pool))
-        count_ok.append(mirrors.count_view == resident_keys(pool))
+        set_ok.append(mirror.set.key_set() == resident_keys(pool))
+        count_ok.append(mirror.count.key_set() == resident_keys(pool))
     if policy == "physical":
         assert removed_per_step == [1, 1, 1]
     else:
         assert removed_per_step == [0, 0, 1]
     assert resident_keys(pool) == set()
-    # Each consumer stays right only where the stream matches its model:
-    # "physical" drops the key from a set while two copies remain, and
-    # "last_copy" leaves a reference count of 2 behind.
-    assert all(set_ok) == (policy != "physical")
-    assert all(count_ok) == (policy != "last_copy")
+    # Each consumer stays right only where the stream matches its model
+    # (the consumer's COPY_SEMANTICS): "physical" drops the key from a set
+    # while two copies remain, and "last_copy" leaves a reference count of 2
+    # behind.
+    assert all(set_ok) == ("set" in COPY_SEMANTICS[policy])
+    assert all(count_ok) == ("count" in COPY_SEMANTICS[policy])
+    # The set consumer reports the two removals of the key it dropped.
+    assert len(mirror.set.unknown_removals) == (2 if policy == "physical" else 0)
+    assert not mirror.count.unknown_removals
+    assert mirror.held_keys() == set()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_removal_of_a_key_never_seen_stored_is_reported(policy):
+    """A consumer that missed a key's store (it joined late, or lost the
+    batch) gets its removal as that of a key it does not hold. Both mirrors
+    report it; a count clamped at zero would hide it."""
+    pool = make_pool(policy)
+    req = make_request("r", tokens(2))
+    blocks = pool.get_new_blocks(2)
+    cache(pool, req, blocks)
+    pool.free_blocks(blocks)
+    assert len(stored_hashes(pool.take_events())) == 2  # before it joined
+    mirror = Mirror(policy)
+    pool.evict_blocks({b.block_id for b in blocks})
+    events = pool.take_events()
+    apply(mirror, events)
+    removed = [(pool.medium, 0, h) for h in removed_hashes(events)]
+    assert len(removed) == 2
+    assert [key for key, _ in mirror.set.unknown_removals] == removed
+    assert [key for key, _ in mirror.count.unknown_removals] == removed
+    assert [key for key, _ in mirror.unknown_removals] == removed
+    assert mirror.held_keys() == set() and not mirror.count.counts
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -542,13 +560,13 @@ def test_groups_are_independent(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_move_block_hashes_emits_nothing_and_keeps_copies(policy):
     pool = make_pool(policy)
-    mirrors = Mirrors()
+    mirror = Mirror(policy)
     req = make_request("r", tokens(1))
     src = pool.get_new_blocks(1)[0]
     cache(pool, req, [src])
     other = pool.get_new_blocks(1)[0]
     cache(pool, req, [other])
-    mirrors.apply(pool.take_events())
+    apply(mirror, pool.take_events())
     key = make_block_hash_with_group_id(req.block_hashes[0], 0)
     dst = pool.get_new_blocks(1)[0]
     pool.move_block_hashes(src, dst)
@@ -556,15 +574,16 @@ def test_move_block_hashes_emits_nothing_and_keeps_copies(policy):
     assert pool.cached_block_hash_to_block.num_copies(key) == 2
     # Moving the only copy changes nothing either.
     pool.evict_blocks({other.block_id})
-    mirrors.apply(pool.take_events())
+    apply(mirror, pool.take_events())
     dst2 = pool.get_new_blocks(1)[0]
     pool.move_block_hashes(dst, dst2)
     assert pool.take_events() == []
     assert pool.cached_block_hash_to_block.num_copies(key) == 1
     pool.evict_blocks({dst2.block_id})
-    mirrors.apply(pool.take_events())
+    apply(mirror, pool.take_events())
+    assert mirror.held_keys() == set() and not mirror.unknown_removals
     if policy == "logical":
-        assert mirrors.set_view == mirrors.count_view == set()
+        assert mirror.set.key_set() == mirror.count.key_set() == set()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -883,7 +902,7 @@ def test_reset_refused_by_one_pool_resets_no_pool():
 @pytest.mark.parametrize("policy", POLICIES)
 def test_shared_queue_pool_reset_removes_its_keys_per_medium(policy):
     coordinator, device_pool, host_pool = make_coordinator_with_host_pool(policy)
-    mirrors = Mirrors()
+    mirror = Mirror(policy)
     req = make_request("r", tokens(2))
     device_blocks = device_pool.get_new_blocks(2)
     cache(device_pool, req, device_blocks)
@@ -892,7 +911,7 @@ def test_shared_queue_pool_reset_removes_its_keys_per_medium(policy):
         host_blocks = host_pool.get_new_blocks(2)
         cache(host_pool, req, host_blocks, group=1)
         host_pool.free_blocks(host_blocks)
-    mirrors.apply(device_pool.take_events())
+    apply(mirror, device_pool.take_events())
 
     assert host_pool.reset_prefix_cache() is True
     events = device_pool.take_events()
@@ -902,17 +921,18 @@ def test_shared_queue_pool_reset_removes_its_keys_per_medium(policy):
     expected = [ext(x) for x in req.block_hashes]
     copies = 2 if policy == "physical" else 1
     assert sorted(removed_hashes(events)) == sorted(expected * copies)
-    mirrors.apply(events)
+    apply(mirror, events)
+    assert not mirror.unknown_removals
     # The GPU tier is untouched by the host pool's reset.
     gpu_keys = resident_keys(device_pool)
-    assert gpu_keys and {k for k in mirrors.set_view if k[2] == MEDIUM_GPU} == (
+    assert gpu_keys and {k for k in mirror.held_keys() if k[0] == MEDIUM_GPU} == (
         gpu_keys
     )
 
 
 def test_coordinator_reset_emits_per_medium_then_all_blocks_cleared():
     coordinator, device_pool, host_pool = make_coordinator_with_host_pool("logical")
-    mirrors = Mirrors()
+    mirror = Mirror("logical")
     req = make_request("r", tokens(2))
     device_blocks = device_pool.get_new_blocks(2)
     cache(device_pool, req, device_blocks)
@@ -920,10 +940,11 @@ def test_coordinator_reset_emits_per_medium_then_all_blocks_cleared():
     host_blocks = host_pool.get_new_blocks(2)
     cache(host_pool, req, host_blocks, group=1)
     host_pool.free_blocks(host_blocks)
-    mirrors.apply(device_pool.take_events())
+    apply(mirror, device_pool.take_events())
     assert coordinator.reset_prefix_cache() is True
     events = device_pool.take_events()
     assert sum(isinstance(e, AllBlocksCleared) for e in events) == 1
     assert all(e.medium == MEDIUM_CPU for e in events if isinstance(e, BlockRemoved))
-    mirrors.apply(events)
-    assert mirrors.set_view == mirrors.count_view == set()
+    apply(mirror, events)
+    assert mirror.set.key_set() == mirror.count.key_set() == set()
+    assert not mirror.set.unknown_removals and not mirror.count.unknown_removals

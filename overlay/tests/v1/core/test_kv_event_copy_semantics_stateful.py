@@ -6,14 +6,15 @@ Random sequences of cache, free, allocate-with-eviction, ``evict_blocks``,
 partial entries, partial->full promotion, ``move_block_hashes`` and
 all-or-nothing reset run on a real ``BlockPool`` (GPU) and a HiSparse-style
 ``SharedEventQueueBlockPool`` (CPU) publishing into the GPU pool's queue, in
-two KV cache groups. After every step the events are replayed into
+two KV cache groups. After every step the events are replayed into the
+reference consumer's ``Mirror``, which keeps
 
 - a set mirror (``BlockStored`` adds, ``BlockRemoved`` discards), and
 - a reference-counting mirror (+1 per stored hash, -1 per removed hash, the
   key dropped at 0; a removal of a key it holds no count for is a failure,
   as it would underflow a real counting consumer),
 
-and the set mirror must equal the set of ``(hash, group, medium)`` keys with
+and the set mirror must equal the set of ``(medium, group, hash)`` keys with
 at least one resident copy, read from the pools' hash maps; the counting
 mirror must hold exactly the count the policy implies for each of them: one
 per key under "logical", one per resident copy under "physical".
@@ -43,6 +44,7 @@ from vllm.distributed.kv_events import (
     BlockRemoved,
     BlockStored,
 )
+from vllm.distributed.kv_events_consumer import Mirror
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -128,9 +130,7 @@ class CopySemanticsMachine(RuleBasedStateMachine):
             ]
         )
         self.live: list[Live] = []
-        self.set_mirror: set[tuple] = set()
-        self.count_mirror: Counter[tuple] = Counter()
-        self.unknown_removals: list[tuple] = []
+        self.mirror = Mirror(self.policy)
 
     # ----------------------------------------------------------- rules
 
@@ -285,7 +285,7 @@ class CopySemanticsMachine(RuleBasedStateMachine):
         """The host pool alone: its removals must not touch the GPU tier."""
         before = self.resident()
         if self.host.reset_prefix_cache():
-            assert self.resident() == {k for k in before if k[2] != MEDIUM_CPU}
+            assert self.resident() == {k for k in before if k[0] != MEDIUM_CPU}
         else:
             assert self.resident() == before
 
@@ -293,7 +293,7 @@ class CopySemanticsMachine(RuleBasedStateMachine):
 
     def resident(self) -> set[tuple]:
         return {
-            (maybe_convert_block_hash(get_block_hash(k)), get_group_id(k), p.medium)
+            (p.medium, get_group_id(k), maybe_convert_block_hash(get_block_hash(k)))
             for p in self.pools
             for k in p.cached_block_hash_to_block.resident_keys
         }
@@ -301,33 +301,21 @@ class CopySemanticsMachine(RuleBasedStateMachine):
     @invariant()
     def mirrors_match_resident_keys(self):
         for event in self.gpu.take_events():
-            if isinstance(event, AllBlocksCleared):
-                self.set_mirror.clear()
-                self.count_mirror.clear()
-                continue
-            assert isinstance(event, BlockStored | BlockRemoved)
-            for block_hash in event.block_hashes:
-                key = (block_hash, event.group_idx, event.medium)
-                if isinstance(event, BlockStored):
-                    self.set_mirror.add(key)
-                    self.count_mirror[key] += 1
-                else:
-                    self.set_mirror.discard(key)
-                    if self.count_mirror[key] == 0:
-                        self.unknown_removals.append(key)
-                    else:
-                        self.count_mirror[key] -= 1
-                    if self.count_mirror[key] == 0:
-                        del self.count_mirror[key]
+            assert isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared)
+            self.mirror.apply(event)
         resident = self.resident()
         if self.check_set:
-            assert self.set_mirror == resident, "set mirror diverged"
-        if self.check_count:
-            assert not self.unknown_removals, (
-                "counting mirror diverged: removal of keys it holds no count "
-                f"for: {self.unknown_removals}"
+            assert self.mirror.set.keys == resident, "set mirror diverged"
+            assert not self.mirror.set.unknown_removals, (
+                "set mirror diverged: removal of keys it does not hold: "
+                f"{self.mirror.set.unknown_removals}"
             )
-            assert self.count_mirror == self.expected_counts(), (
+        if self.check_count:
+            assert not self.mirror.count.unknown_removals, (
+                "counting mirror diverged: removal of keys it holds no count "
+                f"for: {self.mirror.count.unknown_removals}"
+            )
+            assert self.mirror.count.counts == self.expected_counts(), (
                 "counting mirror diverged"
             )
 
@@ -339,9 +327,9 @@ class CopySemanticsMachine(RuleBasedStateMachine):
             index = p.cached_block_hash_to_block
             for k in index.resident_keys:
                 key = (
-                    maybe_convert_block_hash(get_block_hash(k)),
-                    get_group_id(k),
                     p.medium,
+                    get_group_id(k),
+                    maybe_convert_block_hash(get_block_hash(k)),
                 )
                 copies = index.num_copies(k)
                 counts[key] += copies if self.policy == "physical" else 1

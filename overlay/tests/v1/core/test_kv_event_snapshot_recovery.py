@@ -19,8 +19,13 @@ import pytest
 
 from tests.v1.core.kv_event_mirrors import resident_copies
 from tests.v1.core.test_kv_event_stream_fuzz import CONFIGS, Run, model_dir
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS
 from vllm.distributed.kv_events import ZmqEventPublisher
-from vllm.distributed.kv_events_consumer import Follower, block_fields
+from vllm.distributed.kv_events_consumer import (
+    COPY_SEMANTICS,
+    Follower,
+    block_fields,
+)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -115,12 +120,12 @@ class RecoveryRun(Run):
         )
         mirror, witness = follower.mirror, self.witness.mirror
         assert follower.synced, f"{where}: not synced"
-        if self.policy in ("logical", "last_copy"):
+        if "set" in COPY_SEMANTICS[self.policy]:
             assert mirror.set.keys == set(truth), (
                 f"{where}: set mirror stale {mirror.set.keys - set(truth)}, "
                 f"missing {set(truth) - mirror.set.keys}"
             )
-        if self.policy in ("logical", "physical"):
+        if "count" in COPY_SEMANTICS[self.policy]:
             want = dict.fromkeys(truth, 1) if self.policy == "logical" else truth
             assert dict(mirror.count.counts) == dict(want), (
                 f"{where}: counting mirror differs from the pools"
@@ -135,7 +140,7 @@ class RecoveryRun(Run):
             ), f"{where}: {key} announced with other metadata"
 
 
-@pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])
+@pytest.mark.parametrize("policy", KV_EVENTS_COPY_SEMANTICS)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_late_and_lossy_consumers_recover_the_exact_view(

@@ -20,7 +20,6 @@ keys. Model outputs are made up: no model runs.
 
 import json
 import time
-from collections import Counter
 
 import msgspec
 import pytest
@@ -46,15 +45,15 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS, KVEventsConfig
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
+from vllm.distributed.kv_events_consumer import Mirror
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -79,7 +78,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
-POLICIES = ("logical", "last_copy", "physical")
+POLICIES = KV_EVENTS_COPY_SEMANTICS
 SYNC_TIMEOUT_S = 20.0
 
 
@@ -174,50 +173,22 @@ def schedulers():
         scheduler.shutdown()
 
 
-class Mirrors:
-    """A set-style and a counting consumer of one stream.
+def apply(mirror: Mirror, events: list) -> None:
+    """Feed ``events`` to the reference consumer's set-style and counting
+    mirrors, keyed (medium, group, hash)."""
+    for event in events:
+        mirror.apply(event)
 
-    Both key on (medium, group, hash). ``AllBlocksCleared`` empties both.
-    Removals of keys the set does not hold are recorded, as are counts that
-    would go below zero.
-    """
 
-    def __init__(self) -> None:
-        self.keys: set[tuple] = set()
-        self.counts: Counter[tuple] = Counter()
-        self.unknown_removals: list[tuple] = []
-        self.negative_counts: list[tuple] = []
-
-    def apply(self, events: list) -> None:
-        for event in events:
-            if isinstance(event, AllBlocksCleared):
-                self.keys.clear()
-                self.counts.clear()
-                continue
-            for block_hash in event.block_hashes:
-                key = (event.medium, event.group_idx, block_hash)
-                if isinstance(event, BlockStored):
-                    self.keys.add(key)
-                    self.counts[key] += 1
-                    continue
-                assert isinstance(event, BlockRemoved)
-                if key not in self.keys:
-                    self.unknown_removals.append(key)
-                self.keys.discard(key)
-                self.counts[key] -= 1
-                if self.counts[key] < 0:
-                    self.negative_counts.append(key)
-                if self.counts[key] <= 0:
-                    del self.counts[key]
-
-    def assert_exact(self, resident: set[tuple], policy: str) -> None:
-        assert not self.unknown_removals
-        assert not self.negative_counts
-        # Without duplicate copies every policy is exact for both consumers.
-        assert self.keys == resident
-        assert set(self.counts) == resident
-        if policy == "logical":
-            assert set(self.counts.values()) <= {1}
+def assert_exact(mirror: Mirror, resident: set[tuple]) -> None:
+    """Without duplicate copies every policy is exact for both consumers,
+    neither of which may see the removal of a key it does not hold."""
+    assert not mirror.set.unknown_removals
+    assert not mirror.count.unknown_removals
+    assert mirror.set.key_set() == resident
+    assert mirror.count.key_set() == resident
+    if mirror.copy_semantics == "logical":
+        assert set(mirror.count.counts.values()) <= {1}
 
 
 def resident(pool: BlockPool, medium: str) -> set[tuple]:
@@ -365,12 +336,12 @@ def test_resets_with_cpu_offload_tier_keep_consumers_exact(
     cpu_pool = connector.scheduler_manager.cpu_block_pool
     gpu_pool = scheduler.kv_cache_manager.block_pool
     subscriber.connect(scheduler)
-    mirrors = Mirrors()
+    mirror = Mirror(policy)
 
     def check() -> tuple[set[tuple], set[tuple]]:
-        mirrors.apply(subscriber.sync(scheduler))
+        apply(mirror, subscriber.sync(scheduler))
         gpu, cpu = resident(gpu_pool, MEDIUM_GPU), resident(cpu_pool, MEDIUM_CPU)
-        mirrors.assert_exact(gpu | cpu, policy)
+        assert_exact(mirror, gpu | cpu)
         return gpu, cpu
 
     run_to_completion(scheduler, [make_request(f"a{i}", prompt(i)) for i in range(3)])
@@ -401,7 +372,7 @@ def test_resets_with_cpu_offload_tier_keep_consumers_exact(
     step(scheduler)
     gpu, cpu = check()
     assert not gpu and not cpu
-    assert not mirrors.keys
+    assert not mirror.held_keys()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -428,7 +399,7 @@ def test_request_report_mode_cannot_re_announce_under_logical(
     scheduler = make_scheduler(schedulers, model_dir, subscriber.endpoint, policy)
     gpu_pool = scheduler.kv_cache_manager.block_pool
     subscriber.connect(scheduler)
-    mirrors = Mirrors()
+    mirror = Mirror(policy)
     full = {"kv_cache_report_mode": "full"}
     # The second request hits the first one's blocks, and a third runs
     # beside a fourth that holds the same prefix.
@@ -443,8 +414,8 @@ def test_request_report_mode_cannot_re_announce_under_logical(
     assert len(keys) == 2
     stores = [e for e in events if isinstance(e, BlockStored)]
     if policy == "logical":
-        mirrors.apply(events)
-        mirrors.assert_exact(keys, policy)
+        apply(mirror, events)
+        assert_exact(mirror, keys)
         assert len(stores) == 1
     else:
         # The request's setting reaches the pool: each hit re-announces.

@@ -47,7 +47,8 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS, KVEventsConfig
+from vllm.distributed.kv_events_consumer import COPY_SEMANTICS
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -385,7 +386,7 @@ class Run:
         )
         set_m, count_m = self.tap.set, self.tap.count
         problems = []
-        if self.policy in ("logical", "last_copy"):
+        if "set" in COPY_SEMANTICS[self.policy]:
             if set_m.unknown_removals:
                 problems.append(
                     f"set mirror: removals of absent keys {set_m.unknown_removals}"
@@ -395,7 +396,7 @@ class Run:
                     f"set mirror: stale {set_m.keys - set(truth)}, "
                     f"missing {set(truth) - set_m.keys}"
                 )
-        if self.policy in ("logical", "physical"):
+        if "count" in COPY_SEMANTICS[self.policy]:
             want = (
                 Counter(dict.fromkeys(truth, 1)) if self.policy == "logical" else truth
             )
@@ -448,7 +449,7 @@ class Run:
 # (README, "The engine fix": a known gap, not a guarantee).
 _CASES = [
     (policy, report_full)
-    for policy in ("logical", "last_copy", "physical")
+    for policy in KV_EVENTS_COPY_SEMANTICS
     for report_full in (False, True)
     if policy == "logical" or not report_full
 ]

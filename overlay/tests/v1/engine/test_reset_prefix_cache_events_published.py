@@ -38,8 +38,9 @@ from tests.v1.core.test_duplicate_block_identity_scheduler import (
     tiny_model_config,
 )
 from tests.v1.core.test_kv_event_stream_edges import (
-    Mirrors,
     Subscriber,
+    apply,
+    assert_exact,
     completed_transfers,
     model_dir,  # noqa: F401
     prompt,
@@ -60,8 +61,9 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS, KVEventsConfig
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared
+from vllm.distributed.kv_events_consumer import Mirror
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
@@ -71,7 +73,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
-POLICIES = ("logical", "last_copy", "physical")
+POLICIES = KV_EVENTS_COPY_SEMANTICS
 # The engine requires room for one request of the model's maximum length.
 NUM_GPU_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE + 1
 NUM_CPU_BLOCKS = 32
@@ -199,26 +201,26 @@ class Consumers:
         self.engine = engine
         self.sub = sub
         self.policy = policy
-        self.mirrors = Mirrors()
+        self.mirror = Mirror(policy)
         sub.connect(engine.scheduler)
 
     def check(self) -> list:
         """Read everything published so far; the consumers must then hold
         exactly the keys of every pool. Returns the events read."""
         events = self.sub.sync(self.engine.scheduler)
-        self.mirrors.apply(events)
+        apply(self.mirror, events)
         scheduler = self.engine.scheduler
         keys = resident(scheduler.kv_cache_manager.block_pool, MEDIUM_GPU)
         connector = scheduler.get_kv_connector()
         if connector is not None:
             keys |= resident(connector.scheduler_manager.cpu_block_pool, MEDIUM_CPU)
-        self.mirrors.assert_exact(keys, self.policy)
+        assert_exact(self.mirror, keys)
         seqs = self.sub.seqs
         assert all(b == a + 1 for a, b in zip(seqs, seqs[1:])), seqs
         return events
 
     def device_keys(self) -> set[tuple]:
-        return {key for key in self.mirrors.keys if key[0] == MEDIUM_GPU}
+        return {key for key in self.mirror.held_keys() if key[0] == MEDIUM_GPU}
 
 
 def assert_reset_events(events: list, cpu_tier: bool) -> None:
@@ -265,15 +267,15 @@ def test_idle_reset_is_published_before_the_call_returns(
         add_request(engine, family, max_tokens=1)
     run_until_idle(engine)
     consumers.check()
-    assert consumers.mirrors.keys
+    assert consumers.mirror.held_keys()
 
     assert engine.reset_prefix_cache(reset_connector=reset_connector)
     assert_reset_events(consumers.check(), cpu_tier)
     assert not consumers.device_keys()
     if cpu_tier and not reset_connector:
-        assert consumers.mirrors.keys, "the CPU tier keeps its keys"
+        assert consumers.mirror.held_keys(), "the CPU tier keeps its keys"
     else:
-        assert not consumers.mirrors.keys
+        assert not consumers.mirror.held_keys()
 
 
 def test_busy_reset_is_published_before_the_call_returns(
@@ -304,4 +306,4 @@ def test_busy_reset_is_published_before_the_call_returns(
     # The preempted requests compute again and finish.
     run_until_idle(engine)
     consumers.check()
-    assert consumers.mirrors.keys
+    assert consumers.mirror.held_keys()

@@ -33,7 +33,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS, KVEventsConfig
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
@@ -55,7 +55,7 @@ from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
-POLICIES = ("logical", "last_copy", "physical")
+POLICIES = KV_EVENTS_COPY_SEMANTICS
 
 
 @pytest.fixture(autouse=True)

@@ -42,8 +42,9 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS, KVEventsConfig
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+from vllm.distributed.kv_events_consumer import COPY_SEMANTICS, Mirror
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
@@ -73,7 +74,7 @@ from vllm.v1.request import Request
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
-POLICIES = ("logical", "last_copy", "physical")
+POLICIES = KV_EVENTS_COPY_SEMANTICS
 BLOCKS_PER_CHUNK = 2
 CPU_CHUNKS = 3
 
@@ -170,8 +171,8 @@ def wire(request: Request) -> list:
 
 class Tier:
     """Drives the connector's CPU tier and checks its stream after each step:
-    a set-style and a counting consumer against the hashes the resident
-    chunks hold."""
+    the reference consumer's set-style and counting mirrors, each where the
+    policy keeps it exact, against the hashes the resident chunks hold."""
 
     def __init__(self, connector: OffloadingConnector, policy: str) -> None:
         self.connector = connector
@@ -180,8 +181,7 @@ class Tier:
         self.policy = policy
         # Resident chunks: offload key -> the request whose chunk it is.
         self.chunks: dict = {}
-        self.keys: set = set()
-        self.counts: Counter = Counter()
+        self.mirror = Mirror(policy)
         self.events: list = []
 
     def store(self, request: Request) -> None:
@@ -205,26 +205,19 @@ class Tier:
         self.events = list(self.connector.take_events())
         for event in self.events:
             assert event.medium == MEDIUM_CPU
-            for block_hash in event.block_hashes:
-                if isinstance(event, BlockStored):
-                    self.keys.add(block_hash)
-                    self.counts[block_hash] += 1
-                else:
-                    assert isinstance(event, BlockRemoved)
-                    # Under "physical" a set-style consumer has dropped the
-                    # hash at its first copy's removal already.
-                    if self.policy != "physical":
-                        assert block_hash in self.keys, "removal of an unknown hash"
-                    self.keys.discard(block_hash)
-                    self.counts[block_hash] -= 1
-                    assert self.counts[block_hash] >= 0
-                    if not self.counts[block_hash]:
-                        del self.counts[block_hash]
-        held = Counter(h for req in self.chunks.values() for h in wire(req))
-        if self.policy != "physical":
-            assert self.keys == set(held)
-        if self.policy != "last_copy":
-            assert self.counts == (
+            self.mirror.apply(event)
+        held = Counter(
+            (MEDIUM_CPU, 0, h) for req in self.chunks.values() for h in wire(req)
+        )
+        exact = COPY_SEMANTICS[self.policy]
+        # Under "physical" a set-style consumer has dropped the hash at its
+        # first copy's removal already.
+        if "set" in exact:
+            assert not self.mirror.set.unknown_removals
+            assert self.mirror.set.key_set() == set(held)
+        assert not self.mirror.count.unknown_removals
+        if "count" in exact:
+            assert self.mirror.count.counts == (
                 Counter(set(held)) if self.policy == "logical" else held
             )
         return self.events
@@ -268,7 +261,7 @@ def test_chunks_sharing_a_hash_follow_copy_semantics(model_dir, connectors, poli
     tier.chunks.clear()
     removals = tier.take()
     assert removals and all(isinstance(e, BlockRemoved) for e in removals)
-    assert not tier.keys
+    assert not tier.mirror.held_keys()
 
 
 @pytest.mark.skipif(
@@ -346,7 +339,7 @@ def test_promotion_finished_by_a_reset_is_removed_by_it(model_dir, connectors, p
     tier.chunks.clear()
     assert manager.primary_tier.lookup(key, ctx) is LookupResult.MISS
     tier.take()
-    assert not tier.keys and not tier.counts
+    assert not tier.mirror.set.keys and not tier.mirror.count.counts
 
 
 def test_engine_passes_copy_semantics_default_logical(model_dir, connectors):
