@@ -607,6 +607,7 @@ def run_gap(
     """A fleet routed by longest prefix whose router misses every batch for
     ``GAP_TICKS`` ticks from the tick a third of the requests have arrived,
     then recovers by ``recovery``."""
+    from vllm.distributed.kv_events import MEDIUM_GPU
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
 
     arrivals = workload(name, seed, requests, engines_n)
@@ -622,8 +623,9 @@ def run_gap(
         ],
     )
     views = [ConsumerView(p) for p in publishers]
+    consumer = bl.checkout_consumer()
     mirrors = [
-        bl.CountMirror() if index == "counting" else bl.SetMirror()
+        consumer.CountMirror() if index == "counting" else consumer.SetMirror()
         for _ in range(engines_n)
     ]
     after = Scores()
@@ -652,7 +654,10 @@ def run_gap(
                 if ours:
                     held = [v.predict(a.prompt, a.cap) for v in views]
                 else:
-                    keys = [(convert(h), 0) for h in a.request.block_hashes[: a.cap]]
+                    keys = [
+                        (MEDIUM_GPU, 0, convert(h))
+                        for h in a.request.block_hashes[: a.cap]
+                    ]
                     held = [bl.prefix_len(keys, m.__contains__) for m in mirrors]
                 w = choose("longest", held, 0, a.loads)
                 w_true = choose("longest", a.truth, 0, a.loads)
@@ -814,8 +819,7 @@ def run_matrix(
             infos[tree] = next(iter(info.values()))
         todo: list[dict[str, Any]] = []
         for tree in trees:
-            pols = bl.POLICIES if infos[tree]["has_copy_semantics"] else (None,)
-            todo += jobs(plan, tree, list(pols))
+            todo += jobs(plan, tree, list(infos[tree]["policies"]))
         queues = {t: queue.Queue[int]() for t in trees}
         for k, job in enumerate(todo):
             queues[job["tree"]].put(k)

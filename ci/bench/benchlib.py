@@ -342,6 +342,7 @@ def provenance(tree: str) -> dict[str, Any]:
         "inside_tree": f.startswith(root + os.sep),
         "vllm_version": getattr(vllm, "__version__", "?"),
         "has_copy_semantics": has_copy_semantics(),
+        "policies": policies(),
         "python": sys.version.split()[0],
     }
 
