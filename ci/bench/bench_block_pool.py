@@ -31,8 +31,10 @@ By default every repeat runs in a fresh pair of worker processes
 layout...) that repeats inside it cannot average out.
 
 Timings on a shared 2-core machine move by a few percent between processes,
-more than the overhead under test; so a (smaller: ``COUNTED_UPSTREAM``), b
-and c are also run once per tree and policy under an opcode tracer
+more than the overhead under test; so a's get/free calls (smaller:
+``COUNTED_UPSTREAM``; the building of its pools is counted apart, as
+``a_pool_construction``, since no timed call covers it), b and c are also
+run once per tree and policy under an opcode tracer
 (``benchlib.bytecodes_executed``): the Python bytecode instructions
 executed, the same on every run.  That count says how much interpreted work
 a patch adds, exactly; it does not weigh instructions (an allocation counts
@@ -65,11 +67,29 @@ PASSES = 3
 # timed run's 100,000 blocks and 1,000 rounds would take minutes to trace;
 # every round is the same calls, so fewer give the same ratio.
 COUNTED_UPSTREAM = (10000, 20)
+# The bytecode row of building a_upstream's pools (10,000 blocks each): paid
+# once per pool at start-up, outside every timed call, so it is counted
+# apart from a_upstream.
+POOL_CONSTRUCTION = "a_pool_construction"
 
 
 # --------------------------------------------------------------------------
 # worker
 # --------------------------------------------------------------------------
+
+
+def upstream_pools(num_gpu_blocks: int) -> list[Any]:
+    """One fresh pool per allocation size, as upstream's benchmark builds."""
+    return [
+        bl.make_pool(num_gpu_blocks, events=False, policy=None) for _ in UPSTREAM_SIZES
+    ]
+
+
+def upstream_calls(pools: list[Any], num_iteration: int) -> None:
+    """a_upstream's timed calls, untimed: what its bytecode count covers."""
+    for n, pool in zip(UPSTREAM_SIZES, pools, strict=True):
+        for _ in range(num_iteration):
+            pool.free_blocks(pool.get_new_blocks(n))
 
 
 def time_upstream(num_gpu_blocks: int, num_iteration: int) -> dict[str, float]:
@@ -147,12 +167,20 @@ class BlockPoolWorker:
         return self.run(command)
 
     def count(self) -> dict[str, Any]:
-        """Bytecode instructions of a (on ``COUNTED_UPSTREAM``), and per hashed
-        workload and policy of b and c."""
-        upstream = bl.bytecodes_executed(lambda: time_upstream(*COUNTED_UPSTREAM))
+        """Bytecode instructions of a's get/free calls (on ``COUNTED_UPSTREAM``:
+        what its timed figure covers), of building a's pools (once per pool
+        at start-up, not timed), and per hashed workload and policy of b and
+        c."""
+        num_gpu_blocks, num_iteration = COUNTED_UPSTREAM
+        pools: list[Any] = []
+        construction = bl.bytecodes_executed(
+            lambda: pools.extend(upstream_pools(num_gpu_blocks))
+        )
+        upstream = bl.bytecodes_executed(lambda: upstream_calls(pools, num_iteration))
         return {
             "bytecodes": {
                 "a_upstream": {"-": upstream},
+                POOL_CONSTRUCTION: {"-": construction},
                 **{
                     wl.name: {
                         bl.policy_label(policy): count_hashed(

@@ -117,26 +117,29 @@ U64 = (1 << 64) - 1
 # --------------------------------------------------------------------------
 
 
-def fleet_env(wheel: Path, base_python: Path, cache: Path, log: Path) -> Path:
-    """The python of a venv with ``wheel`` and ``DYNAMO`` over the serving
-    venv of ``base_python`` (a .pth file adds its site-packages after the
-    venv's own), keyed by the wheel, Dynamo and that venv."""
+def fleet_env(wheel: Path | None, base_python: Path, cache: Path, log: Path) -> Path:
+    """The python of a venv with ``wheel`` (None: none, vLLM comes from the
+    base venv or ``PYTHONPATH``) and ``DYNAMO`` over the serving venv of
+    ``base_python`` (a .pth file adds its site-packages after the venv's
+    own, its own .pth files read), keyed by the wheel, Dynamo and that venv."""
     from bench_live_cost import site_packages
 
     from vllm_overlay.venv import pip_install, stamped_venv
 
-    key = f"{DYNAMO}\n{base_python}\n".encode() + wheel.read_bytes()
+    key = f"{DYNAMO}\n{base_python}\n".encode()
+    if wheel is not None:
+        key += wheel.read_bytes()
     digest = hashlib.sha256(key).hexdigest()
 
     def fill(python: Path) -> None:
+        # addsitedir: the base's own .pth files count too (a layered venv).
         (site_packages(python) / "serve_env.pth").write_text(
-            f"{site_packages(base_python)}\n"
+            f"import site; site.addsitedir({str(site_packages(base_python))!r})\n"
         )
         # --ignore-installed: pip sees the serving venv's vLLM through the
         # .pth and would otherwise uninstall it from there.
-        pip_install(
-            python, ["--no-deps", "--ignore-installed", str(wheel), DYNAMO], log
-        )
+        wheels = [DYNAMO] if wheel is None else [str(wheel), DYNAMO]
+        pip_install(python, ["--no-deps", "--ignore-installed", *wheels], log)
 
     return stamped_venv(cache / f"fleet-env-{digest[:16]}", fill, log, base_python)
 
@@ -158,13 +161,16 @@ class DynamoFeed:
     ``worker``: raw, or (``counting``) behind a reference-counting filter.
     The tree's rejections are counted, not raised: a router keeps going."""
 
-    def __init__(self, tree: Any, worker: int, counting: bool) -> None:
+    def __init__(
+        self, tree: Any, worker: int, counting: bool, block_size: int = BLOCK
+    ) -> None:
         from dynamo._core import compute_block_hash_for_seq
 
         self.tree = tree
         self.worker = worker
         self.counts: dict[int, int] | None = {} if counting else None
         self.tokens_hash = compute_block_hash_for_seq
+        self.block_size = block_size
         self.event_id = 0
         self.rejected: dict[str, int] = {}
         self.removals_held_back = 0
@@ -185,7 +191,7 @@ class DynamoFeed:
         for ev in batch.events:
             if isinstance(ev, kv_events.BlockStored):
                 hashes = [u64(h) for h in ev.block_hashes]
-                tokens = self.tokens_hash(list(ev.token_ids), BLOCK)
+                tokens = self.tokens_hash(list(ev.token_ids), self.block_size)
                 if self.counts is not None:
                     for h in hashes:
                         self.counts[h] = self.counts.get(h, 0) + 1

@@ -253,8 +253,10 @@ def write_markdown(res: dict[str, Any], out: Path) -> None:
     """``out``/hit_lookup.md from the report alone (``run_all.py --render-only``)."""
     title = "# Hit look-up benchmark" + (" (quick smoke run)" if res["quick"] else "")
     machine = f"Run {res['started']} UTC, {res['wall_s']:.0f} s, {res['machine']}."
-    trees = ", ".join(f"{k} `{v}`" for k, v in res["trees"].items())
-    lines = [title, "", machine, "", f"Trees: {trees}.", "", *report_lines(res)]
+    trees = "; ".join(
+        f"{k}: {bl.block_pool_where(k, info)}" for k, info in res["provenance"].items()
+    )
+    lines = [title, "", machine, "", f"Block pools: {trees}.", "", *report_lines(res)]
     (out / "hit_lookup.md").write_text("\n".join(lines))
 
 

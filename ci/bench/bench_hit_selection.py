@@ -513,8 +513,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
         "",
         "Provenance: "
         + "; ".join(
-            f"{name} `{info['block_pool_file']}`"
-            for name, info in res["provenance"].items()
+            bl.block_pool_where(name, info) for name, info in res["provenance"].items()
         )
         + ".",
         "",

@@ -283,6 +283,30 @@ def run_trees(
     return results
 
 
+def block_pool_where(name: str, info: dict[str, Any]) -> str:
+    """Where the ``name`` tree's worker imported the block pool from, by the
+    tree's role and vLLM version (generated docs print no machine path)."""
+    rel = os.path.relpath(info["block_pool_file"], info["tree"])
+    where = f"`{rel}`" if info["inside_tree"] else "outside the tree (NOT its own)"
+    return f"the {name} tree's {where} (vLLM {info['vllm_version']})"
+
+
+def role_command(command: str, roles: dict[str, str]) -> str:
+    """``command`` with each machine path named by its role: ``roles`` maps
+    a path to the name a reader knows it by (``build/tree``, ``$python``);
+    any other absolute path keeps its file name only."""
+    import shlex
+
+    def name(arg: str) -> str:
+        if arg in roles:
+            return roles[arg]
+        if os.path.isabs(arg):
+            return f".../{os.path.basename(arg)}"
+        return arg
+
+    return " ".join(name(a) for a in shlex.split(command))
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)

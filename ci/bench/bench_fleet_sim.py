@@ -1,0 +1,1597 @@
+"""What the exact stream is worth to a fleet at fleet scale: a simulated
+fleet of real vLLM Schedulers behind a KV-aware router, deterministic and
+seeded.
+
+Engines: ``N`` real v1 ``Scheduler``s (``make_cpu_scheduler``: the real
+``KVCacheManager`` and ``BlockPool``, a small GPU cache each), stepped in
+lockstep with made-up model outputs (no forward pass), publishing through
+the real event path: the scheduler hands each ``KVEventBatch`` to the
+publisher, here a tap (``FeedTap``) that sizes it as ``ZmqEventPublisher``
+sends it and passes it on, one step late, to the router.
+
+Indexes, all fed from the same stream:
+
+* ``set``: Dynamo's real ``RadixTree`` (``ai-dynamo-runtime``, the index of
+  its KV router) fed raw, as AIBrix-style routers use an index: a store
+  inserts, a removal deletes (``bench_fleet.DynamoFeed``);
+* ``counting``: the same tree behind a reference-counting filter, as Dynamo
+  and llm-d apply (a removal is forwarded when its key's count reaches 0);
+* ``oracle``: the engines' block pools read directly (the truth);
+* ``round-robin``: no index.
+
+Routing: ``longest`` (longest predicted prefix, ties to the engine with
+fewer requests, then the lower id) and ``dynamo`` (Dynamo's default cost:
+blocks still to prefill plus the engine's active blocks, the lowest wins).
+Every run keeps all three indexes, whichever one routes: each request's
+prediction by each index is scored against the oracle's (per-request
+exactness at the engine the index would choose), and each index's choice
+against the oracle's choice.
+
+Workloads (one window of requests per seed): ``chat-0.25/0.5/0.75``,
+multi-turn conversations over shared system prompts, that share of them
+opening with one of a few identical block-aligned openers; the Mooncake
+FAST'25 ``conversation`` and ``synthetic`` traces (``data/mooncake``, one
+16-token block per 512-token Mooncake block, prompts capped at
+``MAX_PROMPT_BLOCKS`` blocks, arrivals paced by the trace's timestamps).
+
+Item 2, a gap: a third into the trace the router misses every batch for ``GAP_TICKS``
+ticks, more than the publisher's ``buffer_steps``. Upstream's stream has no
+way back: the router goes on (``ignore``), drops what it knew and relearns
+(``relearn``), or resets every engine's prefix cache (``reset``). Ours: the
+router restarts with the shipped consumer
+(``vllm.distributed.kv_events_consumer.Follower``) on the real
+``ZmqEventPublisher`` on 127.0.0.1, which recovers by snapshot
+(``snapshot``).
+
+    python ci/bench/bench_fleet_sim.py --patched-tree build/tree \\
+        --unpatched-tree "$(ci/overlay pristine-tree)" --python PY \\
+        --out docs/benchmarks [--quick] [--jobs 2]
+
+``--python`` is the workers' base Python (vLLM's dependencies); Dynamo's
+runtime is layered over it (``bench_fleet.fleet_env``). The report goes to
+``<out>/fleet_sim.json``; ``run_all.py --render-only`` renders it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [
+    str(Path(__file__).resolve().parents[1]),
+    str(Path(__file__).resolve().parent),
+]
+import bench_fleet  # noqa: E402
+import benchlib as bl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "tests" / "data" / "tiny-model"
+MOONCAKE = Path(__file__).resolve().parent / "data" / "mooncake"
+BS = bl.BLOCK_SIZE
+MAX_MODEL_LEN = 2048
+MAX_SEQS = 4
+KV_BLOCKS = 64
+# Prompt tokens a step computes: a long prefill takes several steps.
+MAX_BATCHED = 256
+# The longest prompt, in blocks: well within one engine's cache.
+MAX_PROMPT_BLOCKS = 28
+MAX_TOKENS = 8
+# Arrivals per engine per tick, all workloads.
+LOAD = 0.4
+BUFFER_STEPS = 8
+GAP_TICKS = 30
+FLEETS = (8, 16)
+SEEDS = (0, 1, 2)
+WORKLOADS = ("chat-0.25", "chat-0.5", "chat-0.75", "conversation", "synthetic")
+INDEXES = ("set", "counting", "oracle")
+ROUTINGS = ("longest", "dynamo")
+# (index that routes, routing); round-robin has neither.
+ROUTERS: tuple[tuple[str, str], ...] = (
+    *((i, r) for r in ROUTINGS for i in INDEXES),
+    ("round-robin", "-"),
+)
+GAP_WORKLOADS = ("chat-0.5", "conversation")
+UPSTREAM_RECOVERY = ("ignore", "relearn", "reset")
+REPORT = "fleet_sim.json"
+
+
+# --------------------------------------------------------------------------
+# workloads (numpy only: the driver and the workers build the same ones)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    tick: int
+    prompt: list[int]
+    max_tokens: int
+
+
+def chat_workload(dup: float, seed: int, requests: int, engines: int) -> list[Arrival]:
+    """Multi-turn conversations: a shared system prompt (4 of them, skewed
+    popularity), then with probability ``dup`` one of 6 identical
+    block-aligned openers, else a user message of its own; each later turn
+    is the previous prompt, a stand-in reply and a new message (a third of
+    them ending on a block boundary), at least 10 ticks after the turn
+    before. Arrivals: Poisson, ``LOAD`` per engine per tick."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, int(dup * 100)])
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(1000, 32000, size=n)]
+
+    systems = [tokens(BS * int(rng.integers(4, 9))) for _ in range(4)]
+    openers = [tokens(BS * int(rng.integers(1, 4))) for _ in range(6)]
+    popularity = 1.0 / np.arange(1, len(systems) + 1)
+    popularity /= popularity.sum()
+    live: list[tuple[list[int], int, int]] = []  # prompt, turns left, last tick
+    out: list[Arrival] = []
+    tick = 0
+    while len(out) < requests:
+        for _ in range(int(rng.poisson(LOAD * engines))):
+            ready = [i for i, c in enumerate(live) if tick - c[2] >= 10]
+            if ready and rng.random() < 0.7:
+                i = ready[int(rng.integers(0, len(ready)))]
+                prompt, left, _ = live[i]
+                prompt = (
+                    prompt
+                    + tokens(int(rng.integers(2, 9)))
+                    + tokens(int(rng.integers(3, 40)))
+                )
+                if rng.random() < 1 / 3:
+                    prompt = prompt + tokens(-len(prompt) % BS)
+                if left <= 1 or len(prompt) > (MAX_PROMPT_BLOCKS - 4) * BS:
+                    live.pop(i)
+                else:
+                    live[i] = (prompt, left - 1, tick)
+            else:
+                system = systems[int(rng.choice(len(systems), p=popularity))]
+                if rng.random() < dup:
+                    prompt = system + openers[int(rng.integers(0, len(openers)))]
+                else:
+                    prompt = system + tokens(int(rng.integers(3, 60)))
+                live.append((prompt, int(rng.integers(1, 7)), tick))
+            out.append(Arrival(tick, prompt, int(rng.integers(1, MAX_TOKENS + 1))))
+        tick += 1
+    return out[:requests]
+
+
+# Per trace, each block id's tokens (the same in every window and run).
+BLOCK_TOKENS: dict[str, dict[int, list[int]]] = {}
+
+
+def mooncake_workload(
+    trace: str, seed: int, requests: int, engines: int
+) -> list[Arrival]:
+    """Window ``seed`` (``requests`` lines from line ``seed * requests``) of
+    a Mooncake trace: each 512-token block id is 16 tokens of its own (equal
+    ids, equal tokens), a partial last block its share of them (1 to 15),
+    prompts cut at ``MAX_PROMPT_BLOCKS`` blocks (plus 8 tokens of the next);
+    output lengths scaled by 1/32 (1 to ``MAX_TOKENS``); the window's
+    timestamps scaled to ``LOAD`` arrivals per engine per tick."""
+    import numpy as np
+
+    path = MOONCAKE / f"{trace}_trace.jsonl"
+    with path.open() as f:
+        lines = f.readlines()[seed * requests : (seed + 1) * requests]
+    if len(lines) < requests:
+        raise SystemExit(f"{path}: {len(lines)} requests for window {seed}")
+    rows = [json.loads(line) for line in lines]
+    t0, t1 = rows[0]["timestamp"], rows[-1]["timestamp"]
+    ms_per_tick = max(t1 - t0, 1) / (requests / (LOAD * engines))
+    block_tokens = BLOCK_TOKENS.setdefault(trace, {})
+
+    def block(h: int) -> list[int]:
+        if h not in block_tokens:
+            g = np.random.default_rng([h, len(trace)])
+            block_tokens[h] = [int(t) for t in g.integers(1000, 32000, size=BS)]
+        return block_tokens[h]
+
+    out = []
+    for r in rows:
+        ids = r["hash_ids"]
+        full, rest = divmod(r["input_length"], 512)
+        prompt = [t for h in ids[: min(full, MAX_PROMPT_BLOCKS)] for t in block(h)]
+        if full >= MAX_PROMPT_BLOCKS and len(ids) > MAX_PROMPT_BLOCKS:
+            prompt += block(ids[MAX_PROMPT_BLOCKS])[:8]
+        elif rest:
+            # Its share of the block's tokens, never all of them: a prompt
+            # the trace does not align stays unaligned.
+            prompt += block(ids[full])[: min(-(-rest * BS // 512), BS - 1)]
+        max_tokens = min(max(round(r["output_length"] / 32), 1), MAX_TOKENS)
+        tick = int((r["timestamp"] - t0) / ms_per_tick)
+        out.append(Arrival(tick, prompt, max_tokens))
+    return out
+
+
+def workload(name: str, seed: int, requests: int, engines: int) -> list[Arrival]:
+    if name.startswith("chat-"):
+        return chat_workload(float(name[5:]), seed, requests, engines)
+    if name in ("conversation", "synthetic"):
+        return mooncake_workload(name, seed, requests, engines)
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+def workload_stats(arrivals: Sequence[Arrival]) -> dict[str, float]:
+    """How much of a workload repeats: exact repeats of an earlier prompt,
+    and block-aligned prompts."""
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for a in arrivals:
+        key = tuple(a.prompt)
+        repeats += key in seen
+        seen.add(key)
+    n = len(arrivals)
+    return {
+        "requests": n,
+        "repeated_prompts": repeats / n,
+        "block_aligned": sum(len(a.prompt) % BS == 0 for a in arrivals) / n,
+        "mean_prompt_tokens": sum(len(a.prompt) for a in arrivals) / n,
+    }
+
+
+# --------------------------------------------------------------------------
+# worker side: engines and indexes
+# --------------------------------------------------------------------------
+
+
+class FeedTap(bl.EventTap):
+    """The scheduler's publisher: each batch sized as ZMQ sends it and kept
+    for the router (``take``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        super().publish(batch)
+        self.batches.append(batch)
+
+    def take(self) -> list[Any]:
+        out, self.batches = self.batches, []
+        return out
+
+
+class Engine:
+    """One real Scheduler with a made-up model, and its publisher."""
+
+    def __init__(self, policy: str | None, seed: int, publisher: Any = None) -> None:
+        import numpy as np
+        from vllm.config import KVEventsConfig
+
+        fields: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "null"}
+        if policy is not None:
+            fields["copy_semantics"] = policy
+        self.scheduler = bl.make_cpu_scheduler(
+            str(MODEL_DIR),
+            KV_BLOCKS,
+            MAX_SEQS,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=MAX_BATCHED,
+            seed=0,
+            kv_events_config=KVEventsConfig(**fields),
+        )
+        self.tap = FeedTap()
+        self.scheduler.kv_event_publisher = publisher or self.tap
+        self.pool = self.scheduler.kv_cache_manager.block_pool
+        self.rng = np.random.default_rng(seed)
+
+    def held_prefix(self, hashes: Sequence[Any]) -> int:
+        """The oracle: leading blocks of ``hashes`` resident in the pool."""
+        n = 0
+        for h in hashes:
+            if self.pool.get_cached_block(h, [0]) is None:
+                break
+            n += 1
+        return n
+
+    def load(self) -> tuple[int, int]:
+        """Requests in the engine, and the blocks they hold or will."""
+        reqs = self.scheduler.requests.values()
+        return len(reqs), sum(-(-r.num_tokens // BS) for r in reqs)
+
+    def step(self) -> list[Any]:
+        """One step if there is work; the outputs that carry tokens."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        _, outputs = bl.step(
+            self.scheduler, lambda _r: int(self.rng.integers(1000, 32000))
+        )
+        return [o for eco in outputs.values() for o in eco.outputs if o.new_token_ids]
+
+
+class DynamoIndex:
+    """Dynamo's RadixTree over the fleet, raw (a set) or behind a counting
+    filter; one ``DynamoFeed`` per engine."""
+
+    def __init__(self, engines: int, counting: bool) -> None:
+        from dynamo._core import RadixTree, compute_block_hash_for_seq
+
+        self.tree = RadixTree()
+        self.hash_blocks = compute_block_hash_for_seq
+        self.feeds = [
+            bench_fleet.DynamoFeed(self.tree, w, counting, block_size=BS)
+            for w in range(engines)
+        ]
+
+    def predict(self, prompt: Sequence[int], cap: int) -> list[int]:
+        scores = self.tree.find_matches(
+            self.hash_blocks(list(prompt[: cap * BS]), BS)
+        ).scores
+        return [min(scores.get((w, 0), 0), cap) for w in range(len(self.feeds))]
+
+    def rejections(self) -> int:
+        return sum(sum(f.rejected.values()) for f in self.feeds)
+
+    def below_zero(self) -> int:
+        return sum(f.counts_below_zero for f in self.feeds)
+
+
+def choose(routing: str, held: Sequence[int], need: int, loads: Sequence[Any]) -> int:
+    """The engine a router picks from its predicted prefixes ``held``."""
+    engines = range(len(held))
+    if routing == "longest":
+        return min(engines, key=lambda w: (-held[w], loads[w][0], w))
+    # Dynamo's default cost (overlap weight 1): blocks to prefill plus the
+    # blocks the engine is already decoding.
+    return min(engines, key=lambda w: (need - held[w] + loads[w][1], w))
+
+
+@dataclass
+class Served:
+    """What the engines did with the requests (from their outputs)."""
+
+    arrival: dict[str, int] = field(default_factory=dict)
+    ttft: dict[str, int] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    prompt: dict[str, int] = field(default_factory=dict)
+
+    def record(self, tick: int, outputs: Sequence[Any]) -> None:
+        for o in outputs:
+            rid = o.request_id
+            if rid not in self.ttft:
+                self.ttft[rid] = tick + 1 - self.arrival[rid]
+            if o.prefill_stats is not None and rid not in self.cached:
+                self.cached[rid] = o.prefill_stats.num_cached_tokens
+
+    def figures(self, ids: Sequence[str]) -> dict[str, Any]:
+        prompt = sum(self.prompt[r] for r in ids)
+        cached = sum(self.cached.get(r, 0) for r in ids)
+        ttft = [self.ttft[r] for r in ids]
+        return {
+            "requests": len(ids),
+            "prompt_tokens": prompt,
+            "hit_ratio": cached / prompt if prompt else float("nan"),
+            "tokens_computed": prompt - cached,
+            "ttft_steps_mean": sum(ttft) / len(ttft) if ttft else float("nan"),
+            "ttft_steps_p90": bl.percentile(ttft, 0.9),
+        }
+
+
+class Scores:
+    """Per index: predictions at the engine it would choose, vs the oracle."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.exact = 0
+        self.over = 0
+        self.under = 0
+        self.agree = 0
+
+    def add(self, predicted: int, true: int, agree: bool) -> None:
+        self.n += 1
+        self.exact += predicted == true
+        self.over += predicted > true
+        self.under += predicted < true
+        self.agree += agree
+
+    def figures(self) -> dict[str, float]:
+        n = max(self.n, 1)
+        return {
+            "exact": self.exact / n,
+            "over": self.over / n,
+            "under": self.under / n,
+            "agree_with_oracle": self.agree / n,
+        }
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A request as it reaches the router, and what the engines hold of it."""
+
+    number: int
+    prompt: list[int]
+    request: Any
+    cap: int  # blocks a hit can cover (the last prompt token is computed)
+    need: int  # blocks the request takes
+    loads: list[tuple[int, int]]
+    truth: list[int]  # per engine, the oracle's prefix
+
+
+class Fleet:
+    """The engines in lockstep, the trace's arrivals, what they served."""
+
+    def __init__(self, arrivals: list[Arrival], engines: list[Engine]) -> None:
+        self.arrivals = arrivals
+        self.engines = engines
+        self.served = Served()
+        self.hasher = bl.make_hasher()
+        self.tick = 0
+        self.next = 0
+
+    def running(self) -> bool:
+        return self.next < len(self.arrivals) or any(
+            e.scheduler.has_unfinished_requests() for e in self.engines
+        )
+
+    def arriving(self) -> Iterator[Arrived]:
+        """The requests that arrive at this tick; each must be ``send``."""
+        while (
+            self.next < len(self.arrivals)
+            and self.arrivals[self.next].tick <= self.tick
+        ):
+            a = self.arrivals[self.next]
+            req = bl.make_request(f"r{self.next}", a.prompt, self.hasher, a.max_tokens)
+            cap = (req.num_tokens - 1) // BS
+            yield Arrived(
+                self.next,
+                a.prompt,
+                req,
+                cap,
+                -(-req.num_tokens // BS),
+                [e.load() for e in self.engines],
+                [e.held_prefix(req.block_hashes[:cap]) for e in self.engines],
+            )
+            self.next += 1
+
+    def send(self, arrived: Arrived, engine: int) -> None:
+        req = arrived.request
+        self.served.arrival[req.request_id] = self.tick
+        self.served.prompt[req.request_id] = req.num_tokens
+        self.engines[engine].scheduler.add_request(req)
+
+    def step(self) -> None:
+        """One step of every engine with work (the tick ends with ``tick += 1``)."""
+        for e in self.engines:
+            self.served.record(self.tick, e.step())
+        if self.tick > 50 * len(self.arrivals) + 1000:
+            raise RuntimeError(f"the fleet did not finish in {self.tick} ticks")
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.scheduler.shutdown()
+
+
+def run_fleet(
+    policy: str | None,
+    name: str,
+    engines_n: int,
+    seed: int,
+    requests: int,
+    index: str,
+    routing: str,
+) -> dict[str, Any]:
+    """One fleet run routed by ``index`` under ``routing``."""
+    arrivals = workload(name, seed, requests, engines_n)
+    fleet = Fleet(arrivals, [Engine(policy, seed * 1000 + w) for w in range(engines_n)])
+    trees = {
+        "set": DynamoIndex(engines_n, False),
+        "counting": DynamoIndex(engines_n, True),
+    }
+    scores = {k: Scores() for k in INDEXES}
+    # Round-robin's shadow indexes are scored as longest-prefix routers.
+    policy_of = routing if routing != "-" else "longest"
+    while fleet.running():
+        for a in fleet.arriving():
+            held = {k: t.predict(a.prompt, a.cap) for k, t in trees.items()}
+            held["oracle"] = a.truth
+            picks = {k: choose(policy_of, h, a.need, a.loads) for k, h in held.items()}
+            for k, h in held.items():
+                w = picks[k]
+                scores[k].add(h[w], a.truth[w], w == picks["oracle"])
+            fleet.send(
+                a, a.number % engines_n if index == "round-robin" else picks[index]
+            )
+        fleet.step()
+        for w, e in enumerate(fleet.engines):
+            for batch in e.tap.take():
+                for t in trees.values():
+                    t.feeds[w].apply(batch)
+        fleet.tick += 1
+    wire = [e.tap.totals() for e in fleet.engines]
+    fleet.shutdown()
+    return {
+        "workload": name,
+        "engines": engines_n,
+        "seed": seed,
+        "index": index,
+        "routing": routing,
+        "ticks": fleet.tick,
+        **fleet.served.figures([f"r{j}" for j in range(len(arrivals))]),
+        "scores": {k: s.figures() for k, s in scores.items()},
+        "tree_rejections": {k: t.rejections() for k, t in trees.items()},
+        "counts_below_zero": trees["counting"].below_zero(),
+        "wire_bytes_per_request": sum(x["frame_bytes"] for x in wire) / len(arrivals),
+        "events_per_request": sum(
+            x["stored_events"] + x["removed_events"] + x["cleared_events"] for x in wire
+        )
+        / len(arrivals),
+    }
+
+
+# -- item 2: a gap mid-trace ------------------------------------------------
+
+
+class CountedPublisher:
+    """The real ZmqEventPublisher on 127.0.0.1 (buffer ``BUFFER_STEPS``,
+    snapshot record on), counting batches so the consumer knows what to
+    wait for."""
+
+    def __init__(self, policy: Any) -> None:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        self.zmq = ZmqEventPublisher(
+            data_parallel_rank=0,
+            # A free port on the node's IP: 127.0.0.1 (VLLM_HOST_IP, set by
+            # the worker).
+            endpoint="tcp://*:0",
+            replay_endpoint="tcp://*:0",
+            buffer_steps=BUFFER_STEPS,
+            copy_semantics=policy,
+        )
+        config = self.zmq.get_publisher_config()
+        assert config.replay_endpoint is not None
+        self.endpoints = (config.endpoint, config.replay_endpoint)
+        self.published = 0
+
+    def publish(self, batch: Any) -> None:
+        self.published += 1
+        self.zmq.publish(batch)
+
+    def shutdown(self) -> None:
+        self.zmq.shutdown()
+
+
+class ConsumerView:
+    """The router's view of one engine through the shipped consumer."""
+
+    def __init__(self, publisher: CountedPublisher) -> None:
+        from vllm.distributed.kv_events_consumer import Follower
+
+        self.publisher = publisher
+        self.follower = Follower(*publisher.endpoints)
+        self.follower.sync(publisher.published)
+
+    def catch_up(self) -> None:
+        """Apply every batch published so far: from the live stream, or by
+        ``sync`` (a status request, and a recovery if one is missing)."""
+        f, published = self.follower, self.publisher.published
+        deadline = time.monotonic() + 1.0
+        while (
+            f.synced
+            and f.next_seq is not None
+            and f.next_seq < published
+            and time.monotonic() < deadline
+        ):
+            f.poll(0.002)
+        if not (f.synced and f.next_seq == published):
+            f.sync(published)
+
+    def predict(self, prompt: Sequence[int], cap: int) -> int:
+        matched = self.follower.mirror.match(list(prompt[: cap * BS]))
+        return min(max(matched.values(), default=0), cap)
+
+    def close(self) -> None:
+        self.follower.close()
+
+
+def run_gap(
+    policy: str | None,
+    name: str,
+    engines_n: int,
+    seed: int,
+    requests: int,
+    index: str,
+    recovery: str,
+) -> dict[str, Any]:
+    """A fleet routed by longest prefix whose router misses every batch for
+    ``GAP_TICKS`` ticks from the tick a third of the requests have arrived,
+    then recovers by ``recovery``."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
+
+    arrivals = workload(name, seed, requests, engines_n)
+    gap_start = arrivals[len(arrivals) // 3].tick
+    gap_end = gap_start + GAP_TICKS
+    ours = recovery == "snapshot"
+    publishers = [CountedPublisher(policy) for _ in range(engines_n)] if ours else []
+    fleet = Fleet(
+        arrivals,
+        [
+            Engine(policy, seed * 1000 + w, publishers[w] if ours else None)
+            for w in range(engines_n)
+        ],
+    )
+    views = [ConsumerView(p) for p in publishers]
+    mirrors = [
+        bl.CountMirror() if index == "counting" else bl.SetMirror()
+        for _ in range(engines_n)
+    ]
+    after = Scores()
+    after_ids: list[str] = []
+    before = Scores()
+    # Per engine, the batches the router missed.
+    missed_batches = [0] * engines_n
+    try:
+        while fleet.running():
+            if fleet.tick == gap_end:
+                if recovery == "relearn":
+                    mirrors = [type(m)() for m in mirrors]
+                elif recovery == "reset":
+                    for e in fleet.engines:
+                        if not e.scheduler.reset_prefix_cache(
+                            reset_running_requests=True
+                        ):
+                            raise RuntimeError("reset_prefix_cache refused")
+                    mirrors = [type(m)() for m in mirrors]
+                elif ours:
+                    # The router restarts: new consumers, recovered by snapshot.
+                    for v in views:
+                        v.close()
+                    views = [ConsumerView(p) for p in publishers]
+            for a in fleet.arriving():
+                if ours:
+                    held = [v.predict(a.prompt, a.cap) for v in views]
+                else:
+                    keys = [(convert(h), 0) for h in a.request.block_hashes[: a.cap]]
+                    held = [bl.prefix_len(keys, m.__contains__) for m in mirrors]
+                w = choose("longest", held, 0, a.loads)
+                w_true = choose("longest", a.truth, 0, a.loads)
+                if fleet.tick >= gap_end:
+                    after.add(held[w], a.truth[w], w == w_true)
+                    after_ids.append(a.request.request_id)
+                elif fleet.tick < gap_start:
+                    before.add(held[w], a.truth[w], w == w_true)
+                fleet.send(a, w)
+            published = [p.published for p in publishers]
+            fleet.step()
+            missed = gap_start <= fleet.tick < gap_end
+            if ours:
+                if missed:
+                    for w, p in enumerate(publishers):
+                        missed_batches[w] += p.published - published[w]
+                else:
+                    for v in views:
+                        v.catch_up()
+            else:
+                for w, e in enumerate(fleet.engines):
+                    for batch in e.tap.take():
+                        if missed:
+                            missed_batches[w] += 1
+                        else:
+                            for ev in batch.events:
+                                mirrors[w].apply(ev)
+            fleet.tick += 1
+    finally:
+        for v in views:
+            v.close()
+        fleet.shutdown()
+    recoveries: dict[str, int] = {}
+    for v in views:
+        for k, n in v.follower.stats.recoveries.items():
+            recoveries[k] = recoveries.get(k, 0) + n
+    return {
+        "workload": name,
+        "engines": engines_n,
+        "seed": seed,
+        "index": index,
+        "recovery": recovery,
+        "gap": {
+            "start_tick": gap_start,
+            "ticks": GAP_TICKS,
+            "buffer_steps": BUFFER_STEPS,
+            "missed_batches": missed_batches,
+        },
+        "after": {**fleet.served.figures(after_ids), **after.figures()},
+        "before": before.figures(),
+        "consumer_recoveries_at_end": recoveries,
+    }
+
+
+def worker_handler(argv: list[str]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    # Dynamo's tree logs each rejection; the count is what is reported.
+    os.environ["DYN_LOG"] = "error"
+    # The publishers of the gap runs bind 127.0.0.1 only.
+    os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+
+    def handle(command: dict[str, Any]) -> dict[str, Any]:
+        job = command["job"]
+        run = run_fleet if job["kind"] == "fleet" else run_gap
+        last = job["routing"] if job["kind"] == "fleet" else job["recovery"]
+        cpu = time.process_time()
+        result = run(
+            job["policy"],
+            job["workload"],
+            job["engines"],
+            job["seed"],
+            job["requests"],
+            job["index"],
+            last,
+        )
+        # CPU seconds, not wall: the matrix's cost on dedicated cores.
+        return {**result, "cpu_s": time.process_time() - cpu}
+
+    return handle
+
+
+# --------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The matrix one run measures."""
+
+    requests: int
+    fleets: tuple[int, ...]
+    seeds: tuple[int, ...]
+    workloads: tuple[str, ...]
+    gap_workloads: tuple[str, ...]
+    gap_engines: int
+
+
+FULL = Plan(400, FLEETS, SEEDS, WORKLOADS, GAP_WORKLOADS, 8)
+QUICK = Plan(200, (8,), (0,), ("chat-0.75",), ("chat-0.75",), 8)
+
+
+def jobs(
+    plan: Plan, tree: str, policies: Sequence[str | None]
+) -> Iterator[dict[str, Any]]:
+    for policy in policies:
+        base = {"tree": tree, "policy": policy, "requests": plan.requests}
+        for name in plan.workloads:
+            for n in plan.fleets:
+                for seed in plan.seeds:
+                    for index, routing in ROUTERS:
+                        yield {
+                            **base,
+                            "kind": "fleet",
+                            "workload": name,
+                            "engines": n,
+                            "seed": seed,
+                            "index": index,
+                            "routing": routing,
+                        }
+        recoveries = UPSTREAM_RECOVERY if policy is None else ("snapshot",)
+        for name in plan.gap_workloads:
+            for seed in plan.seeds:
+                for recovery in recoveries:
+                    for index in (
+                        ("set", "counting") if policy is None else ("consumer",)
+                    ):
+                        yield {
+                            **base,
+                            "kind": "gap",
+                            "workload": name,
+                            "engines": plan.gap_engines,
+                            "seed": seed,
+                            "index": index,
+                            "recovery": recovery,
+                        }
+
+
+def run_matrix(
+    python: str,
+    trees: dict[str, Path],
+    plan: Plan,
+    workers_per_tree: dict[str, int],
+    log: Any = sys.stderr,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every job of ``plan`` on worker processes (one tree each); results in
+    job order, and each tree's provenance."""
+    script = Path(__file__).resolve()
+    started: dict[str, list[bl.Worker]] = {}
+    infos: dict[str, Any] = {}
+    try:
+        for tree, n in workers_per_tree.items():
+            ws, info = bl.start_workers(
+                python, script, {f"{tree}{k}": trees[tree] for k in range(n)}, []
+            )
+            started[tree] = list(ws.values())
+            infos[tree] = next(iter(info.values()))
+        todo: list[dict[str, Any]] = []
+        for tree in trees:
+            pols = bl.POLICIES if infos[tree]["has_copy_semantics"] else (None,)
+            todo += jobs(plan, tree, list(pols))
+        queues = {t: queue.Queue[int]() for t in trees}
+        for k, job in enumerate(todo):
+            queues[job["tree"]].put(k)
+        results: list[dict[str, Any] | None] = [None] * len(todo)
+        errors: list[BaseException] = []
+
+        def serve(tree: str, worker: bl.Worker) -> None:
+            while not errors:
+                try:
+                    k = queues[tree].get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[k] = {**todo[k], **worker.call({"job": todo[k]})}
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    errors.append(e)
+                    return
+                done = sum(r is not None for r in results)
+                if done % 50 == 0:
+                    print(f"[fleet_sim] {done}/{len(todo)}", file=log, flush=True)
+
+        threads = [
+            threading.Thread(target=serve, args=(t, w))
+            for t, ws in started.items()
+            for w in ws
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+    finally:
+        for pool in started.values():
+            for w in pool:
+                w.close()
+    return [r for r in results if r is not None], infos
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    return {"median": bl.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def stream_of(r: dict[str, Any]) -> str:
+    return bl.policy_label(r["policy"])
+
+
+def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians and min - max over seeds, per configuration."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in results:
+        if r["kind"] == "fleet":
+            key = (
+                "fleet",
+                r["workload"],
+                r["engines"],
+                stream_of(r),
+                r["index"],
+                r["routing"],
+            )
+        else:
+            key = (
+                "gap",
+                r["workload"],
+                r["engines"],
+                stream_of(r),
+                r["index"],
+                r["recovery"],
+            )
+        groups.setdefault(key, []).append(r)
+    fleet, gap = [], []
+    for key, rs in groups.items():
+        row: dict[str, Any] = dict(
+            zip(
+                ("kind", "workload", "engines", "stream", "index", "routing"),
+                key,
+                strict=True,
+            )
+        )
+        row["seeds"] = len(rs)
+        if key[0] == "fleet":
+            for m in (
+                "hit_ratio",
+                "tokens_computed",
+                "ttft_steps_mean",
+                "ttft_steps_p90",
+                "wire_bytes_per_request",
+                "events_per_request",
+            ):
+                row[m] = spread([r[m] for r in rs])
+            own = key[4] if key[4] != "round-robin" else None
+            if own is not None:
+                for m in ("exact", "agree_with_oracle", "over", "under"):
+                    row[m] = spread([r["scores"][own][m] for r in rs])
+                if own != "oracle":
+                    row["tree_rejections"] = spread(
+                        [r["tree_rejections"][own] for r in rs]
+                    )
+            fleet.append(row)
+        else:
+            row["recovery"] = row.pop("routing")
+            for m in (
+                "hit_ratio",
+                "tokens_computed",
+                "exact",
+                "agree_with_oracle",
+                "ttft_steps_mean",
+            ):
+                row[m] = spread([r["after"][m] for r in rs])
+            row["exact_before_gap"] = spread([r["before"]["exact"] for r in rs])
+            row["snapshots"] = sum(
+                r["consumer_recoveries_at_end"].get("snapshot", 0) for r in rs
+            )
+            missed = [n for r in rs for n in r["gap"]["missed_batches"]]
+            row["missed_batches"] = {"min": min(missed), "max": max(missed)}
+            gap.append(row)
+    return {"fleet": fleet, "gap": gap, "vs_upstream": paired(results)}
+
+
+def paired(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each policy of ours against the upstream stream, seed by seed (the
+    same workload window, fleet and router): hit-ratio points and tokens
+    computed, medians and min - max over seeds."""
+    by: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for r in results:
+        if r["kind"] == "fleet":
+            key = (r["workload"], r["engines"], r["index"], r["routing"], r["seed"])
+            by.setdefault(key, {})[stream_of(r)] = r
+    rows: dict[tuple[Any, ...], dict[str, list[float]]] = {}
+    for key, streams in by.items():
+        up = streams.get(bl.UPSTREAM)
+        for stream, r in streams.items():
+            if up is None or stream == bl.UPSTREAM:
+                continue
+            row = rows.setdefault((*key[:4], stream), {"points": [], "computed": []})
+            row["points"].append(100 * (r["hit_ratio"] - up["hit_ratio"]))
+            row["computed"].append(r["tokens_computed"] / up["tokens_computed"] - 1)
+    return [
+        {
+            **dict(
+                zip(
+                    ("workload", "engines", "index", "routing", "stream"),
+                    key,
+                    strict=True,
+                )
+            ),
+            "hit_points": spread(v["points"]),
+            "tokens_computed_change": spread(v["computed"]),
+        }
+        for key, v in rows.items()
+    ]
+
+
+# --------------------------------------------------------------------------
+# the report (docs/benchmarks/README.md, rendered by run_all.py)
+# --------------------------------------------------------------------------
+
+SECTION = "8. Fleet at scale: a simulated fleet of real Schedulers"
+ANCHOR = "#8-fleet-at-scale-a-simulated-fleet-of-real-schedulers"
+CHAT = ("chat-0.25", "chat-0.5", "chat-0.75")
+OURS = "logical"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _sp(v: dict[str, float], fmt: Callable[[float], str] = _pct) -> str:
+    """A median and its min - max over seeds."""
+    if v["min"] == v["max"]:
+        return fmt(v["median"])
+    return f"{fmt(v['median'])} ({fmt(v['min'])} to {fmt(v['max'])})"
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _steps(x: float) -> str:
+    return f"{x:.2f}"
+
+
+class Rows:
+    """The report's rows, looked up by their configuration."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.report = report
+        self.fleet = {
+            (r["workload"], r["engines"], r["stream"], r["index"], r["routing"]): r
+            for r in report["fleet"]
+        }
+        self.gap = {
+            (r["workload"], r["stream"], r["index"], r["recovery"]): r
+            for r in report["gap"]
+        }
+        self.streams = sorted(
+            {r["stream"] for r in report["fleet"]}, key=lambda s: (s != bl.UPSTREAM, s)
+        )
+        plan = report["plan"]
+        self.workloads: list[str] = plan["workloads"]
+        self.fleets: list[int] = plan["fleets"]
+
+    def get(
+        self, workload: str, n: int, stream: str, index: str, routing: str = "longest"
+    ) -> dict[str, Any]:
+        row: dict[str, Any] = self.fleet[(workload, n, stream, index, routing)]
+        return row
+
+    def over(
+        self, workloads: Sequence[str], stream: str, index: str, metric: str, which: str
+    ) -> list[float]:
+        """``which`` (min, median, max) of ``metric`` over workloads, fleets
+        and routings."""
+        return [
+            self.fleet[(w, n, stream, index, rt)][metric][which]
+            for w in workloads
+            for n in self.fleets
+            for rt in ROUTINGS
+            if (w, n, stream, index, rt) in self.fleet
+        ]
+
+
+def _range_pct(xs: Sequence[float]) -> str:
+    if not xs:
+        return "not run"
+    lo, hi = min(xs), max(xs)
+    return f"{100 * lo:.1f} %" if lo == hi else f"{100 * lo:.1f}-{100 * hi:.1f} %"
+
+
+def _range_num(xs: Sequence[float]) -> str:
+    if not xs:
+        return "not run"
+    lo, hi = min(xs), max(xs)
+    return f"{lo:,.0f}" if lo == hi else f"{lo:,.0f}-{hi:,.0f}"
+
+
+def _points(report: dict[str, Any], workloads: Sequence[str], index: str) -> str:
+    xs = [
+        r["hit_points"][k]
+        for r in report["vs_upstream"]
+        if r["workload"] in workloads and r["index"] == index and r["stream"] == OURS
+        for k in ("min", "max")
+    ]
+    if not xs:
+        return "not run"
+    return f"{min(xs):+.1f} to {max(xs):+.1f} points"
+
+
+def _gap_after(
+    rows: Rows, workload: str, stream: str, index: str, recovery: str, metric: str
+) -> dict[str, float]:
+    v: dict[str, float] = rows.gap[(workload, stream, index, recovery)][metric]
+    return v
+
+
+def headline(report: dict[str, Any]) -> str:
+    """The one-sentence claim, quoted verbatim in the project README."""
+    rows = Rows(report)
+    up, chat = bl.UPSTREAM, [w for w in CHAT if w in rows.workloads]
+    gw = report["plan"]["gap_workloads"][0]
+
+    def gap(stream: str, index: str, recovery: str) -> tuple[str, str]:
+        row = rows.gap[(gw, stream, index, recovery)]
+        return _pct(row["exact"]["median"]), _pct(row["hit_ratio"]["median"])
+
+    ignore, relearn, reset = (gap(up, "counting", r) for r in UPSTREAM_RECOVERY)
+    ours = gap(OURS, "consumer", "snapshot")
+    moon = [w for w in ("conversation",) if w in rows.workloads]
+    moon_text = (
+        "; on the Mooncake conversation trace the two streams' hit ratios "
+        f"differ by {_points(report, moon, 'set')}"
+        if moon
+        else ""
+    )
+    return (
+        f"In a simulated fleet of {' and '.join(map(str, rows.fleets))} real vLLM "
+        "schedulers behind Dynamo's RadixTree used as a set, the official stream "
+        "predicted the chosen engine's cached prefix exactly on "
+        f"{_range_pct(rows.over(chat, up, 'set', 'exact', 'median'))} of chat "
+        "requests with repeated block-aligned openers, by configuration (the "
+        "tree rejecting "
+        f"{_range_num(rows.over(chat, up, 'set', 'tree_rejections', 'median'))} "
+        "events a run), ours on "
+        f"{_range_pct(rows.over(chat, OURS, 'set', 'exact', 'median'))} with "
+        f"{_range_num(rows.over(chat, OURS, 'set', 'tree_rejections', 'median'))}; "
+        "behind a counting filter both are exact; ours minus the official "
+        f"hit ratio: {_points(report, chat, 'set')}{moon_text}. After a missed "
+        f"burst longer than the replay buffer ({gw}), a counting router on the "
+        f"official stream that goes on was exact on {ignore[0]} % of the "
+        f"following requests at {ignore[1]} % hit ratio; dropping its keys to "
+        f"relearn gave {relearn[0]} % exact at {relearn[1]} %, resetting the "
+        f"engines' caches {reset[0]} % at {reset[1]} %; ours, restarted with the "
+        "shipped "
+        f"consumer, recovered by snapshot: exact on {ours[0]} % at {ours[1]} % "
+        f"(medians over {len(report['plan']['seeds'])} seeds, {report['started']} "
+        "UTC)."
+    )
+
+
+def first_screen(report: dict[str, Any]) -> list[str]:
+    """The top of docs/benchmarks: which router you run, what the fork
+    gives it."""
+    rows = Rows(report)
+    up, chat = bl.UPSTREAM, [w for w in CHAT if w in rows.workloads]
+    moon = [w for w in ("conversation", "synthetic") if w in rows.workloads]
+    gw = report["plan"]["gap_workloads"][0]
+
+    def exact(stream: str, index: str, ws: Sequence[str]) -> str:
+        return _range_pct(rows.over(ws, stream, index, "exact", "median"))
+
+    def after(stream: str, index: str, recovery: str) -> str:
+        e = _gap_after(rows, gw, stream, index, recovery, "exact")
+        h = _gap_after(rows, gw, stream, index, recovery, "hit_ratio")
+        return f"{recovery}: exact {_pct(e['median'])} %, hit {_pct(h['median'])} %"
+
+    wire = [
+        rows.get(w, n, s, "oracle")["wire_bytes_per_request"]["median"]
+        for w in chat
+        for n in rows.fleets
+        for s in (up, OURS)
+    ]
+    ratio = [wire[k] / wire[k + 1] for k in range(0, len(wire), 2)]
+    return [
+        "## What the fork gives your router",
+        "",
+        (
+            f"From [section {SECTION.split('.')[0]}]({ANCHOR}) (a simulated fleet "
+            f"of {' and '.join(map(str, rows.fleets))} real vLLM schedulers "
+            "under cache pressure; medians over seeds, the range across "
+            "workloads, fleet sizes and routing policies). Official: the "
+            "unpatched stream; ours: `copy_semantics` `logical`. Exact: the "
+            "router's predicted prefix on the engine it picks equals what that "
+            "engine holds."
+        ),
+        "",
+        "| your router's index | chat with repeated openers, official / ours "
+        f"| Mooncake traces, official / ours | after a missed burst ({gw}), "
+        "official / ours |",
+        "|---|---|---|---|",
+        (
+            "| set: a store inserts, a removal deletes (AIBrix-style; Dynamo's "
+            f"RadixTree fed raw) | exact {exact(up, 'set', chat)} / "
+            f"{exact(OURS, 'set', chat)}; hit ratio {_points(report, chat, 'set')} "
+            f"| exact {exact(up, 'set', moon)} / {exact(OURS, 'set', moon)}; "
+            f"hit ratio {_points(report, moon, 'set')} "
+            f"| {after(up, 'set', 'ignore')}; {after(up, 'set', 'relearn')}; "
+            f"{after(up, 'set', 'reset')} / {after(OURS, 'consumer', 'snapshot')} |"
+        ),
+        (
+            "| counting filter (Dynamo, llm-d) "
+            f"| exact {exact(up, 'counting', chat)} / "
+            f"{exact(OURS, 'counting', chat)}: no gain "
+            f"| exact {exact(up, 'counting', moon)} / "
+            f"{exact(OURS, 'counting', moon)}: no gain "
+            f"| {after(up, 'counting', 'ignore')}; "
+            f"{after(up, 'counting', 'relearn')}; {after(up, 'counting', 'reset')} "
+            f"/ {after(OURS, 'consumer', 'snapshot')} |"
+        ),
+        (
+            "| none (round-robin) | nothing to gain | nothing to gain "
+            "| nothing to gain |"
+        ),
+        "",
+        (
+            "Event bytes on the wire per request, chat workloads, official / "
+            f"ours: {min(ratio):.2f}-{max(ratio):.2f}x. Where the fork does not "
+            "matter: a counting filter on a gapless stream, and traffic that "
+            "rarely repeats a block-aligned prompt (the Mooncake traces). What "
+            "it gives every router: the exact view back after a gap or a "
+            "restart, by snapshot."
+        ),
+        "",
+    ]
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """The simulated fleet's section of docs/benchmarks/README.md."""
+    r, rows = report, Rows(report)
+    plan = r["plan"]
+    stats = ", ".join(
+        f"{w} {_pct(v['repeated_prompts'])} % repeats, "
+        f"{_pct(v['block_aligned'])} % block-aligned"
+        for w, v in r["workload_stats"].items()
+    )
+    lines = [
+        f"## {SECTION}" + (" (quick smoke run)" if r["quick"] else ""),
+        "",
+        (
+            "`ci/bench/bench_fleet_sim.py` (see its docstring): "
+            f"{' and '.join(map(str, plan['fleets']))} real vLLM `Scheduler`s "
+            f"of {plan['kv_blocks_per_engine']} KV blocks of "
+            f"{plan['block_size']} tokens, {plan['max_num_seqs']} sequences and "
+            f"{plan['max_num_batched_tokens']} prompt tokens a step, made-up "
+            "model outputs, stepped in lockstep; "
+            f"{plan['load_per_engine_per_tick']} arrivals per engine per step; "
+            f"prompts at most {plan['max_prompt_blocks']} blocks. Indexes: "
+            f"Dynamo's `RadixTree` ({r['dynamo']}) as a set and behind a "
+            "counting filter, the pools themselves (oracle), or none "
+            "(round-robin). Routing: longest predicted prefix, or Dynamo's "
+            "cost (blocks to prefill plus active blocks). "
+            f"{plan['requests']} requests a run, seeds "
+            f"{', '.join(map(str, plan['seeds']))} (a chat seed draws its own "
+            "conversations; a Mooncake seed takes the next window of the "
+            "trace). Share of requests repeating an earlier prompt exactly, "
+            f"and block-aligned (seed {plan['seeds'][0]}): {stats}. Trees: "
+            "`build/tree` (ours: the series on vLLM "
+            f"{r['provenance']['patched']['vllm_version']}, each `copy_semantics` "
+            "policy) and `ci/overlay pristine-tree` (official: the vLLM "
+            f"{r['provenance']['unpatched']['vllm_version']} sdist), each in its "
+            "own worker processes "
+            f"({', '.join(f'{k} {v}' for k, v in r['workers'].items())}) on "
+            f"Python {r['provenance']['patched']['python']} (the test venv with "
+            f"{r['dynamo']} layered over it). "
+            f"Run {r['started']} UTC, {r['wall_s']:.0f} s on {r['cpus']} CPUs, "
+            f"load average {r['load_average_start']:.1f} at the start and "
+            f"{r['load_average_end']:.1f} at the end (other work on the "
+            f"machine); the workers' CPU time {r['cpu_s']:.0f} s, "
+            f"{r['cpu_s'] / r['cpus']:.0f} s on {r['cpus']} idle cores."
+        ),
+        "",
+        headline(r),
+        "",
+        (
+            "Where a counting index is exact on both streams, a difference in "
+            "hit ratio is the engine's, not the stream's: the series also "
+            "changes which copy of a block the pool evicts first "
+            "([dup_first.md](dup_first.md)). The policy `physical` announces "
+            "every copy, as upstream does, for counting routers: a set index "
+            "on it is wrong the way it is on upstream's stream."
+        ),
+        "",
+        (
+            "The two-server live benchmark (section 7, `ci/bench/bench_fleet.py`) "
+            "stays, run on request and no longer by `ci/bench.sh`: it is the "
+            "one measure with real API servers, real HTTP and wall-clock time "
+            "to first token, and it checks this benchmark's glue "
+            "(`DynamoFeed`) on a live ZMQ stream decoded with the served "
+            "schema; but at two engines it cannot tell the wheels apart, the "
+            "live tests (`tests/test_cpu_server*.py`) already cover the "
+            "server's stream, and it takes about 23 minutes."
+        ),
+        "",
+        "### Prediction and routing",
+        "",
+        (
+            "Per configuration, medians over seeds (min-max). Exact %: requests "
+            "whose predicted prefix on the engine the index picks equals the "
+            "pool's (the oracle's), scored for every index in every run; the "
+            "row's own index routes. Rejections: events Dynamo's tree refused "
+            "(a removal of a block it does not hold, a store under an unknown "
+            "parent), per run. Same as oracle %: decisions equal to the "
+            "oracle's under the same routing policy. Hit %: prompt tokens "
+            "served from cache (the engines' own `num_cached_tokens`); TTFT: "
+            "mean steps from arrival to first token. Tokens computed: prompt "
+            "tokens not served from cache when the request was first "
+            "scheduled (a preempted request's recomputation not counted). "
+            "The simulation is deterministic: the same seeds give the same "
+            "figures on every run, so a range is the seeds' (the workload's "
+            "draws), not noise."
+        ),
+        "",
+        "| workload | engines | routing | stream | set exact % | set rejections "
+        "| counting exact % | set same as oracle % | counting same as oracle % "
+        "| hit % set | hit % counting | hit % oracle | hit % round-robin "
+        "| tokens computed, set | TTFT set | TTFT oracle |",
+        "|---|---:|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in rows.workloads:
+        for n in rows.fleets:
+            for rt in ROUTINGS:
+                for s in rows.streams:
+                    st, co = (
+                        rows.get(w, n, s, "set", rt),
+                        rows.get(w, n, s, "counting", rt),
+                    )
+                    orc, rr = (
+                        rows.get(w, n, s, "oracle", rt),
+                        rows.get(w, n, s, "round-robin", "-"),
+                    )
+                    lines.append(
+                        f"| {w} | {n} | {rt} | {s} | {_sp(st['exact'])} "
+                        f"| {_sp(st['tree_rejections'], _num)} | {_sp(co['exact'])} "
+                        f"| {_sp(st['agree_with_oracle'])} "
+                        f"| {_sp(co['agree_with_oracle'])} | {_sp(st['hit_ratio'])} "
+                        f"| {_sp(co['hit_ratio'])} | {_sp(orc['hit_ratio'])} "
+                        f"| {_sp(rr['hit_ratio'])} "
+                        f"| {_sp(st['tokens_computed'], _num)} "
+                        f"| {_sp(st['ttft_steps_mean'], _steps)} "
+                        f"| {_sp(orc['ttft_steps_mean'], _steps)} |"
+                    )
+    lines += [
+        "",
+        "### Ours against the official stream, seed by seed",
+        "",
+        (
+            "The same workload window, fleet and router on each stream: "
+            "hit-ratio points (ours minus official) and the change in tokens "
+            "computed, medians over seeds (min-max)."
+        ),
+        "",
+        "| workload | engines | index | routing | policy | hit points "
+        "| tokens computed |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for v in sorted(
+        r["vs_upstream"],
+        key=lambda v: (
+            rows.workloads.index(v["workload"]),
+            v["engines"],
+            v["index"],
+            v["routing"],
+            v["stream"],
+        ),
+    ):
+        if v["index"] not in ("set", "counting"):
+            continue
+        lines.append(
+            f"| {v['workload']} | {v['engines']} | {v['index']} | {v['routing']} "
+            f"| {v['stream']} | {_sp(v['hit_points'], lambda x: f'{x:+.2f}')} "
+            f"| {_sp(v['tokens_computed_change'], lambda x: f'{100 * x:+.1f} %')} |"
+        )
+    lines += [
+        "",
+        "### Event volume on the wire",
+        "",
+        (
+            "Bytes per request as `ZmqEventPublisher` frames them (topic, "
+            "sequence number, msgpack batch), and events per request, from the "
+            "oracle-routed runs (the same routing information on every "
+            "stream), longest-prefix routing; medians over seeds."
+        ),
+        "",
+        "| workload | engines | "
+        + " | ".join(f"{s} bytes | {s} events" for s in rows.streams)
+        + " |",
+        "|---|---:|" + "---:|---:|" * len(rows.streams),
+    ]
+    for w in rows.workloads:
+        for n in rows.fleets:
+            cells = []
+            for s in rows.streams:
+                o = rows.get(w, n, s, "oracle")
+                cells += [
+                    _num(o["wire_bytes_per_request"]["median"]),
+                    f"{o['events_per_request']['median']:.2f}",
+                ]
+            lines.append(f"| {w} | {n} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "### A missed burst longer than the replay buffer",
+        "",
+        (
+            f"{plan['gap_engines']} engines, longest-prefix routing. A third "
+            f"into the trace the router misses every batch for "
+            f"{plan['gap_ticks']} steps (the publishers buffer "
+            f"{plan['buffer_steps']}); it routes on its stale view meanwhile. "
+            "Then, on the official stream: `ignore` (go on), `relearn` (drop "
+            "every engine's keys, learn from the next events) or `reset` "
+            "(reset every engine's prefix cache, then relearn); on ours: the "
+            "router restarts with the shipped consumer "
+            "(`kv_events_consumer.Follower`) on each engine's real "
+            "`ZmqEventPublisher` on 127.0.0.1, which recovers by snapshot. "
+            "Figures over the requests that arrive after the gap; exact before: "
+            "the requests before it; batches missed: per engine, over seeds "
+            "(an engine idle through the gap publishes none); snapshots: "
+            "the restarted consumers' recoveries, summed over seeds. A "
+            "relearning router never learns a block that stays cached, as it "
+            "is never stored again: every request of the Mooncake conversation "
+            "trace opens with the same block, so it under-predicts them all."
+        ),
+        "",
+        "| workload | stream | index | recovery | exact % before | exact % after "
+        "| same as oracle % after | hit % after | tokens computed after "
+        "| TTFT after | batches missed per engine | snapshots |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---:|",
+    ]
+    for g in r["gap"]:
+        lines.append(
+            f"| {g['workload']} | {g['stream']} | {g['index']} | {g['recovery']} "
+            f"| {_sp(g['exact_before_gap'])} | {_sp(g['exact'])} "
+            f"| {_sp(g['agree_with_oracle'])} | {_sp(g['hit_ratio'])} "
+            f"| {_sp(g['tokens_computed'], _num)} "
+            f"| {_sp(g['ttft_steps_mean'], _steps)} "
+            f"| {g['missed_batches']['min']}-{g['missed_batches']['max']} "
+            f"| {g['snapshots']} |"
+        )
+    return [*lines, ""]
+
+
+def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The simulated fleet's rows in the benchmark summary."""
+    rows = Rows(report)
+    up, chat = bl.UPSTREAM, [w for w in CHAT if w in rows.workloads]
+    gw = report["plan"]["gap_workloads"][0]
+    link = f"([section {SECTION.split('.')[0]}]({ANCHOR}))"
+    ignore = _gap_after(rows, gw, up, "counting", "ignore", "exact")
+    ours = _gap_after(rows, gw, OURS, "consumer", "snapshot", "exact")
+    return [
+        (
+            f"simulated fleet, set index exact on chat, official / ours {link}",
+            f"{_range_pct(rows.over(chat, up, 'set', 'exact', 'median'))} / "
+            f"{_range_pct(rows.over(chat, OURS, 'set', 'exact', 'median'))}",
+        ),
+        (
+            "simulated fleet, hit ratio, ours - official, set index",
+            f"chat {_points(report, chat, 'set')}",
+        ),
+        (
+            f"simulated fleet, after a missed burst ({gw}), counting index exact",
+            f"official (ignore) {_pct(ignore['median'])} %, ours (snapshot) "
+            f"{_pct(ours['median'])} %",
+        ),
+        (
+            "simulated fleet, full matrix",
+            f"{report['wall_s']:.0f} s wall on {report['cpus']} CPUs (load "
+            f"average {report['load_average_end']:.1f} at the end); workers' "
+            f"CPU {report['cpu_s']:.0f} s",
+        ),
+    ]
+
+
+# The CI smoke configuration (tests/test_fleet_sim.py): one run per tree.
+SMOKE_JOB: dict[str, Any] = {
+    "kind": "fleet",
+    "workload": "chat-0.75",
+    "engines": 8,
+    "seed": 0,
+    "requests": 200,
+    "index": "set",
+    "routing": "longest",
+}
+
+
+def dynamo_python(python: str, cache: Path) -> Path:
+    """The workers' Python: ``python``'s venv with Dynamo's runtime layered
+    over it."""
+    logdir = cache / "logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    return bench_fleet.fleet_env(
+        None, Path(python), cache, logdir / "fleet-sim-env.log"
+    )
+
+
+def smoke(python: str, trees: dict[str, Path], cache: Path) -> dict[str, Any]:
+    """``SMOKE_JOB`` on each tree (ours with ``copy_semantics`` ``logical``,
+    chosen by what the tree offers, not by its name)."""
+    workers, infos = bl.start_workers(
+        str(dynamo_python(python, cache)), Path(__file__).resolve(), trees, []
+    )
+    try:
+        return {
+            name: w.call(
+                {
+                    "job": {
+                        **SMOKE_JOB,
+                        "policy": OURS if infos[name]["has_copy_semantics"] else None,
+                    }
+                }
+            )
+            for name, w in workers.items()
+        }
+    finally:
+        for w in workers.values():
+            w.close()
+
+
+def drive(
+    python: str,
+    patched: Path,
+    unpatched: Path,
+    quick: bool,
+    jobs_n: int,
+    cache: Path,
+    log: Any = sys.stderr,
+) -> dict[str, Any]:
+    plan = QUICK if quick else FULL
+    dpython = dynamo_python(python, cache)
+    trees = {"patched": patched, "unpatched": unpatched}
+    # The patched tree runs three policies, the unpatched one stream.
+    per_tree = {"patched": max(jobs_n - 1, 1), "unpatched": 1}
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")
+    t0 = time.time()
+    load0 = os.getloadavg()[0]
+    results, infos = run_matrix(str(dpython), trees, plan, per_tree, log)
+    wall = time.time() - t0
+    workloads = {
+        name: workload_stats(
+            workload(name, plan.seeds[0], plan.requests, plan.fleets[0])
+        )
+        for name in plan.workloads
+    }
+    return {
+        "bench": "fleet_sim",
+        "quick": quick,
+        # The workers' CPU seconds over the cores: the wall time on
+        # dedicated cores, whatever else the machine ran meanwhile.
+        "cpu_s": sum(r["cpu_s"] for r in results),
+        "started": started,
+        "wall_s": wall,
+        "workers": per_tree,
+        "cpus": os.cpu_count(),
+        "load_average_start": load0,
+        "load_average_end": os.getloadavg()[0],
+        "dynamo": bench_fleet.DYNAMO,
+        "provenance": {
+            t: {
+                k: v
+                for k, v in i.items()
+                if k in ("vllm_version", "python", "has_copy_semantics")
+            }
+            for t, i in infos.items()
+        },
+        "plan": {
+            "requests": plan.requests,
+            "fleets": list(plan.fleets),
+            "seeds": list(plan.seeds),
+            "workloads": list(plan.workloads),
+            "gap_workloads": list(plan.gap_workloads),
+            "gap_engines": plan.gap_engines,
+            "kv_blocks_per_engine": KV_BLOCKS,
+            "block_size": BS,
+            "max_num_seqs": MAX_SEQS,
+            "load_per_engine_per_tick": LOAD,
+            "buffer_steps": BUFFER_STEPS,
+            "gap_ticks": GAP_TICKS,
+            "max_prompt_blocks": MAX_PROMPT_BLOCKS,
+            "max_num_batched_tokens": MAX_BATCHED,
+        },
+        "workload_stats": workloads,
+        **aggregate(results),
+        "runs": results,
+    }
+
+
+ROW_LISTS = ("fleet", "gap", "vs_upstream", "runs")
+
+
+def dump(report: dict[str, Any]) -> str:
+    """The report as JSON, one line per table row and per run (a rerun's diff
+    is one line per changed run)."""
+    head = {k: v for k, v in report.items() if k not in ROW_LISTS}
+    text = json.dumps(head, indent=1).removesuffix("\n}")
+    for key in ROW_LISTS:
+        rows = ",\n".join(f"  {json.dumps(r)}" for r in report[key])
+        text += f',\n "{key}": [\n{rows}\n ]'
+    return text + "\n}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    def drive_main(args: list[str]) -> int:
+        ap = bl.driver_parser(__doc__)
+        ap.add_argument("--out", type=Path, required=True)
+        ap.add_argument("--quick", action="store_true")
+        ap.add_argument(
+            "--jobs",
+            type=int,
+            default=3,
+            help="worker processes in all (one for the unpatched tree)",
+        )
+        ap.add_argument("--cache", type=Path, default=ROOT / ".cache")
+        a = ap.parse_args(args)
+        report = drive(
+            a.python, a.patched_tree, a.unpatched_tree, a.quick, a.jobs, a.cache
+        )
+        a.out.mkdir(parents=True, exist_ok=True)
+        tmp = a.out / f".{REPORT}.tmp"
+        tmp.write_text(dump(report))
+        tmp.replace(a.out / REPORT)
+        print(
+            f"{a.out / REPORT}: {len(report['runs'])} runs in {report['wall_s']:.0f} s",
+            file=sys.stderr,
+        )
+        return 0
+
+    return bl.cli_main(argv, worker_handler, drive_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
