@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import zipfile
@@ -31,6 +30,7 @@ from typing import Any
 import pytest
 
 from conftest import REPO, built_wheel, consumer_wheel, router_venv
+from overlay_harness.server_scenario import free_ports
 from vllm_overlay import consumer_dist
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.pin import load_pin
@@ -108,13 +108,6 @@ def test_consumer_wheel_holds_the_overlay_file_unchanged(fresh_python: Path) -> 
         ]
     )
     assert Path(site.stdout.strip()).read_bytes() == CONSUMER_SOURCE.read_bytes()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
@@ -200,10 +193,8 @@ def engine_batches() -> list[bytes]:
     """Real batches, as vLLM's real ZmqEventPublisher sends them."""
     from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
-    replay = f"tcp://127.0.0.1:{_free_port()}"
-    publisher = ZmqEventPublisher(
-        0, endpoint=f"tcp://127.0.0.1:{_free_port()}", replay_endpoint=replay
-    )
+    live, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+    publisher = ZmqEventPublisher(0, endpoint=live, replay_endpoint=replay)
     try:
         events = _engine_events()
         batches = [[e] for e in events] + [events]
@@ -299,7 +290,7 @@ def test_console_script_follows_a_real_publisher(fresh_python: Path) -> None:
         ZmqEventPublisher,
     )
 
-    live, replay = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
+    live, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
     publisher = ZmqEventPublisher(
         0, endpoint=live, replay_endpoint=replay, copy_semantics="logical"
     )

@@ -12,7 +12,6 @@ refusal with ``RecoveryFailed``.
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import time
 from typing import Any
@@ -21,17 +20,11 @@ import msgspec
 import zmq
 
 from overlay_harness.router_view import checkout_consumer
+from overlay_harness.server_scenario import free_port
 
 KEYS = 200_000
 PER_BATCH = 1_000
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _status(replay: str) -> dict[str, Any]:
@@ -56,7 +49,7 @@ def test_consumer_asks_again_after_a_busy_refusal() -> None:
     )
 
     module = checkout_consumer()
-    replay = f"tcp://127.0.0.1:{_free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory() as tmp:
         live = f"ipc://{tmp}/kv-events"
         publisher = ZmqEventPublisher(

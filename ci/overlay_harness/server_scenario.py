@@ -39,6 +39,7 @@ idle-reset event), 1 on a mismatch, 2 on a set-up error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -156,10 +157,22 @@ class Replay:
         }
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` ports of 127.0.0.1 that are free now, all different: each
+    is held until every one is probed, or the kernel may hand one out
+    twice."""
+    with contextlib.ExitStack() as held:
+        probes = [
+            held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def serve_command(

@@ -160,6 +160,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bind_known_ports() -> tuple[ZmqEventPublisher, list[int]]:
+    """A publisher on two ports the test knows, so that a restart can bind
+    them again. Both are probed while held, so they differ; one that another
+    process takes before the publisher binds it is traded for fresh ones."""
+    for _ in range(20):
+        with socket.socket() as live, socket.socket() as replay:
+            live.bind(("127.0.0.1", 0))
+            replay.bind(("127.0.0.1", 0))
+            ports = [live.getsockname()[1], replay.getsockname()[1]]
+        try:
+            return ZmqEventPublisher(
+                0, endpoint=f"tcp://*:{ports[0]}", replay_endpoint=f"tcp://*:{ports[1]}"
+            ), ports
+        except zmq.ZMQError:
+            continue
+    raise AssertionError("no two free ports in 20 tries")
+
+
 def _rebind(endpoints: list[str]) -> ZmqEventPublisher:
     """A new publisher on the ports the last one just closed (ZMQ releases
     them in the background)."""
@@ -175,9 +193,8 @@ def _rebind(endpoints: list[str]) -> ZmqEventPublisher:
 
 def test_an_engine_restart_is_told_from_a_gap():
     # A restarted engine binds the same ports; its seq counts from 0 again.
-    ports = _free_port(), _free_port()
+    first, ports = _bind_known_ports()
     endpoints = [f"tcp://*:{p}" for p in ports]
-    first = ZmqEventPublisher(0, endpoint=endpoints[0], replay_endpoint=endpoints[1])
     follower = Follower(*[f"tcp://127.0.0.1:{p}" for p in ports])
     try:
         follower.sync()
@@ -347,9 +364,8 @@ def test_a_restart_that_reaches_the_next_seq_is_not_applied_blindly():
     # The old engine sent seqs 0-2; the new one, on the same ports, sends
     # seqs 0-2 before the consumer's SUB socket reconnects, then seq 3, the
     # consumer's next seq, under steady traffic: only the epoch tells.
-    ports = _free_port(), _free_port()
+    first, ports = _bind_known_ports()
     endpoints = [f"tcp://*:{p}" for p in ports]
-    first = ZmqEventPublisher(0, endpoint=endpoints[0], replay_endpoint=endpoints[1])
     follower = Follower(*[f"tcp://127.0.0.1:{p}" for p in ports])
     try:
         follower.sync()
