@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import shlex
@@ -493,15 +494,24 @@ def test_rebased_pin_takes_torch_from_the_release(target: str, tmp_path: Path) -
         rebase.PinnedFile(sdist.name, "d2c957d5" + "0" * 56),
         rebase.PinnedFile(wheel, "0" * 64),
     )
-    text, notes = rebase.rebased_pin(pin, release, tmp_path / "tree")
+    today = dt.date(2027, 1, 2)
+    text, notes = rebase.rebased_pin(pin, release, tmp_path / "tree", today)
     (tmp_path / "pin.toml").write_text(text)
     new = load_pin(tmp_path / "pin.toml")
     wheel_torch = "2.13.0+cpu" if target else "2.13.0"
-    assert (new.version, new.wheel_torch, new.build_torch) == (
+    assert (new.version, new.wheel_torch, new.build_torch, new.source_date) == (
         "0.32.0",
         wheel_torch,
         "2.13.0",
+        "2027-01-02",
     )
+    if pin.version != "0.32.0":
+        # Nothing names the old release, comments included, and a note
+        # lists the comments renamed for the maintainer to read.
+        assert pin.version not in text and pin.commit_short not in text
+        renamed = notes.pop()
+        assert renamed.startswith(f"3 comment line(s) named {pin.version} ")
+        assert 'vllm/_version.py records "g5df63a720"' in renamed
     assert "carry locally" not in text  # the old [build] reason is gone
     assert text.count("# requirements of vllm 0.32.0: requirements/") == (
         1 if target else 2
@@ -588,7 +598,9 @@ def test_rebased_pin_keeps_the_build_torch_of_the_same_minor(
         rebase.PinnedFile("vllm-9.9.9.tar.gz", "1" * 64),
         rebase.PinnedFile(pin.wheel.filename.replace(pin.version, "9.9.9"), "2" * 64),
     )
-    text, notes = rebase.rebased_pin(pin, release, tree)
+    text, (*notes, renamed) = rebase.rebased_pin(
+        pin, release, tree, dt.date(2027, 1, 2)
+    )
     (tmp_path / "pin.toml").write_text(text)
     new = load_pin(tmp_path / "pin.toml")
     assert new.wheel_torch == "2.14.5"
@@ -614,6 +626,9 @@ def test_rebased_pin_keeps_the_build_torch_of_the_same_minor(
         "[upstream.wheel] torch = '2.14.5', from requirements/cuda.txt of "
         "vllm-9.9.9.tar.gz"
     )
+    # The comments that named 0.34.0 or its commit name 9.9.9 now.
+    assert renamed.startswith("3 comment line(s) named 0.34.0 or its commit")
+    assert pin.version not in text and pin.commit_short not in text
 
 
 PY_LINES = "".join(f"x{i} = {i}\n" for i in range(1, 31))

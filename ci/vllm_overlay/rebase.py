@@ -26,6 +26,7 @@ be lost.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import shutil
@@ -236,23 +237,32 @@ def _minor(version: str) -> tuple[str, ...]:
     return tuple(re.findall(r"\d+", version)[:2])
 
 
-def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]:
+def rebased_pin(
+    pin: Pin, release: Release, tree: Path, today: dt.date
+) -> tuple[str, list[str]]:
     """pin.toml's text for ``release`` (its unpacked sdist at ``tree``): the
-    same file with the new tag, version, files and sha256, and the torch
-    pins: the official wheel's from the release's own requirement file; the
-    build venv's kept, with its comment, while it is the same minor release
-    as the release's build requirement (any CUDA build of that minor builds
-    the wheel, and the checkout's choice has its reasons), else the
-    release's. With one line per torch pin saying where it came from."""
+    same file with the new tag, version, files and sha256, ``source_date``
+    ``today`` (the day the pin changes), the old version and commit renamed
+    in comments too, and the torch pins: the official wheel's from the
+    release's own requirement file; the build venv's kept, with its comment,
+    while it is the same minor release as the release's build requirement
+    (any CUDA build of that minor builds the wheel, and the checkout's
+    choice has its reasons), else the release's. With one note per torch
+    pin saying where it came from, and one listing the comments renamed,
+    for the maintainer to read."""
     assert release.wheel is not None
     text = pin.path.read_text()
+    new_commit_short = _commit_short(tree)
     for old, new in (
         (f'tag = "{pin.tag}"', f'tag = "v{release.version}"'),
-        (f'version = "{pin.version}"', f'version = "{release.version}"'),
         (f'commit = "{pin.commit}"', 'commit = ""'),
         (
             f'commit_short = "{pin.commit_short}"',
-            f'commit_short = "{_commit_short(tree)}"',
+            f'commit_short = "{new_commit_short}"',
+        ),
+        (
+            f'source_date = "{pin.source_date}"',
+            f'source_date = "{today.isoformat()}"',
         ),
         (pin.sdist.filename, release.sdist.filename),
         (pin.sdist.sha256, release.sdist.sha256),
@@ -260,6 +270,18 @@ def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]
         (pin.wheel.sha256, release.wheel.sha256),
     ):
         text = text.replace(old, new)
+    # What is left of the old release: `version = "..."` and the comments
+    # that name it or its commit ("the release's vllm/_version.py records").
+    renamed: list[str] = []
+    kept_lines = []
+    for line in text.splitlines(keepends=True):
+        new_line = line.replace(pin.version, release.version)
+        if pin.commit_short:
+            new_line = new_line.replace(pin.commit_short, new_commit_short)
+        if new_line != line and line.lstrip().startswith("#"):
+            renamed.append(new_line.strip())
+        kept_lines.append(new_line)
+    text = "".join(kept_lines)
     # The official wheel's torch is its platform's runtime requirement; the
     # build venv's is what vLLM's setup.py builds the CUDA wheel with.
     device = "cpu" if pin.wheel_project.endswith("-cpu") else "cuda"
@@ -305,6 +327,12 @@ def rebased_pin(pin: Pin, release: Release, tree: Path) -> tuple[str, list[str]]
         notes[-1] += (
             f": the minor release differs from the checkout's "
             f"{pin.build_torch!r}, whose comment was replaced"
+        )
+    if renamed:
+        notes.append(
+            f"{len(renamed)} comment line(s) named {pin.version} or its commit "
+            "and now name the new release; read that each still holds: "
+            + " | ".join(renamed)
         )
     return "\n".join(lines) + "\n", notes
 
@@ -365,7 +393,9 @@ def write_rebased(
     with tempfile.TemporaryDirectory(dir=version_dir, prefix=".release-") as tmp:
         new_tree = Path(tmp) / "tree"
         extract_sdist(sdist, new_tree)
-        text, notes = rebased_pin(pin, release, new_tree)
+        text, notes = rebased_pin(
+            pin, release, new_tree, dt.datetime.now(dt.UTC).date()
+        )
         (rebased / "pin.toml").write_text(text)
         for note in notes:
             print(f"  {rebased / 'pin.toml'}: {note}", file=sys.stderr)
