@@ -62,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -472,18 +472,50 @@ class Fleet:
             e.scheduler.shutdown()
 
 
-def run_fleet(
-    policy: str | None,
-    name: str,
-    engines_n: int,
-    seed: int,
-    requests: int,
-    index: str,
-    routing: str,
-) -> dict[str, Any]:
-    """One fleet run routed by ``index`` under ``routing``."""
-    arrivals = workload(name, seed, requests, engines_n)
-    fleet = Fleet(arrivals, [Engine(policy, seed * 1000 + w) for w in range(engines_n)])
+@dataclass(frozen=True)
+class Case:
+    """What a fleet run and a gap run share: the engines' copy semantics,
+    the traffic, the fleet's size and seed, and the router's index."""
+
+    policy: str | None
+    workload: str
+    engines: int
+    seed: int
+    requests: int
+    index: str
+
+    @classmethod
+    def of(cls, job: dict[str, Any]) -> Case:
+        return cls(*(job[f.name] for f in fields(cls)))
+
+    def header(self) -> dict[str, Any]:
+        """The fields every result starts with."""
+        return {
+            "workload": self.workload,
+            "engines": self.engines,
+            "seed": self.seed,
+            "index": self.index,
+        }
+
+    def fleet(self, publishers: list[Any] | None = None) -> tuple[list[Any], Fleet]:
+        """The case's arrivals, and a fleet of fresh engines to serve them
+        (each publishing through ``publishers[w]`` if given)."""
+        arrivals = workload(self.workload, self.seed, self.requests, self.engines)
+        engines = [
+            Engine(
+                self.policy,
+                self.seed * 1000 + w,
+                None if publishers is None else publishers[w],
+            )
+            for w in range(self.engines)
+        ]
+        return arrivals, Fleet(arrivals, engines)
+
+
+def run_fleet(case: Case, routing: str) -> dict[str, Any]:
+    """One fleet run routed by ``case.index`` under ``routing``."""
+    engines_n, index = case.engines, case.index
+    arrivals, fleet = case.fleet()
     trees = {
         "set": DynamoIndex(engines_n, False),
         "counting": DynamoIndex(engines_n, True),
@@ -511,10 +543,7 @@ def run_fleet(
     wire = [e.tap.totals() for e in fleet.engines]
     fleet.shutdown()
     return {
-        "workload": name,
-        "engines": engines_n,
-        "seed": seed,
-        "index": index,
+        **case.header(),
         "routing": routing,
         "ticks": fleet.tick,
         **fleet.served.figures([f"r{j}" for j in range(len(arrivals))]),
@@ -595,33 +624,21 @@ class ConsumerView:
         self.follower.close()
 
 
-def run_gap(
-    policy: str | None,
-    name: str,
-    engines_n: int,
-    seed: int,
-    requests: int,
-    index: str,
-    recovery: str,
-) -> dict[str, Any]:
+def run_gap(case: Case, recovery: str) -> dict[str, Any]:
     """A fleet routed by longest prefix whose router misses every batch for
     ``GAP_TICKS`` ticks from the tick a third of the requests have arrived,
     then recovers by ``recovery``."""
     from vllm.distributed.kv_events import MEDIUM_GPU
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
 
-    arrivals = workload(name, seed, requests, engines_n)
+    engines_n, index = case.engines, case.index
+    ours = recovery == "snapshot"
+    publishers = (
+        [CountedPublisher(case.policy) for _ in range(engines_n)] if ours else []
+    )
+    arrivals, fleet = case.fleet(publishers if ours else None)
     gap_start = arrivals[len(arrivals) // 3].tick
     gap_end = gap_start + GAP_TICKS
-    ours = recovery == "snapshot"
-    publishers = [CountedPublisher(policy) for _ in range(engines_n)] if ours else []
-    fleet = Fleet(
-        arrivals,
-        [
-            Engine(policy, seed * 1000 + w, publishers[w] if ours else None)
-            for w in range(engines_n)
-        ],
-    )
     views = [ConsumerView(p) for p in publishers]
     consumer = bl.checkout_consumer()
     mirrors = [
@@ -695,10 +712,7 @@ def run_gap(
         for k, n in v.follower.stats.recoveries.items():
             recoveries[k] = recoveries.get(k, 0) + n
     return {
-        "workload": name,
-        "engines": engines_n,
-        "seed": seed,
-        "index": index,
+        **case.header(),
         "recovery": recovery,
         "gap": {
             "start_tick": gap_start,
@@ -723,18 +737,11 @@ def worker_handler(argv: list[str]) -> Callable[[dict[str, Any]], dict[str, Any]
 
     def handle(command: dict[str, Any]) -> dict[str, Any]:
         job = command["job"]
-        run = run_fleet if job["kind"] == "fleet" else run_gap
-        last = job["routing"] if job["kind"] == "fleet" else job["recovery"]
         cpu = time.process_time()
-        result = run(
-            job["policy"],
-            job["workload"],
-            job["engines"],
-            job["seed"],
-            job["requests"],
-            job["index"],
-            last,
-        )
+        if job["kind"] == "fleet":
+            result = run_fleet(Case.of(job), job["routing"])
+        else:
+            result = run_gap(Case.of(job), job["recovery"])
         # CPU seconds, not wall: the matrix's cost on dedicated cores.
         return {**result, "cpu_s": time.process_time() - cpu}
 
