@@ -15,10 +15,13 @@ its own worker process (``benchlib.Worker``), which starts the server, runs
 one untimed warm-up phase and then one timed phase per command. A phase
 resets the prefix cache, quiesces, and sends the load phase of seed
 ``SEED``: the same requests in every phase, for both wheels. Both servers
-stay up for the whole run and the phases alternate A, B, A, B (ours first
-in every pair), so the two wheels share the machine's state of the moment
-and pay no start-up between phases; the idle server waits while the other
-one works.
+stay up for the whole run and the phases alternate A, B, B, A, ...: the
+wheel that goes first flips every pair (``PAIRS`` is even, so each goes
+first as often): on this machine the second phase of a pair can run
+faster than the first, whichever wheel it is, and the report shows by how
+much (``pair_throughput_ratio_by_first``). The two wheels share the
+machine's state of the moment and pay no start-up between phases; the idle
+server waits while the other one works.
 
 Figures per phase: requests per second (every request sent, those the
 server aborted included, over the phase's wall time), the p50 latency of
@@ -63,8 +66,10 @@ from overlay_harness.serve_env import serve_env
 from vllm_overlay.errors import OverlayError
 
 SEED = 0
-JOBS = 20
-PAIRS = 7
+# Requests per client and phase: three times the load test's 20, so that a
+# phase lasts about 2 s and the wheels' start order weighs less.
+JOBS = 60
+PAIRS = 10
 THROUGHPUT_GOAL = 0.98
 # name: (serving venv, copy_semantics; "none" leaves the field out)
 WHEELS = {
@@ -229,6 +234,19 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "pair_p50_latency_ratios": [
             a["p50_latency_s"] / b["p50_latency_s"] for a, b in pairs
         ],
+        # How much the order alone moves a pair: the pairs' throughput ratio
+        # with ours first, and with the official first.
+        "pair_throughput_ratio_by_first": {
+            first: bl.median(
+                [
+                    a["requests_per_s"] / b["requests_per_s"]
+                    for a, b in pairs
+                    if a["first"] == (first == "ours")
+                ]
+            )
+            for first in ORDER
+            if any(a["first"] == (first == "ours") for a, _ in pairs)
+        },
         "throughput_goal": THROUGHPUT_GOAL,
         "goal_met": ratio["requests_per_s"] >= THROUGHPUT_GOAL,
     }
@@ -255,8 +273,11 @@ def drive(
     log_dir: Path | None = None,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
-    if pairs < 2:
-        raise ValueError(f"--pairs must be at least 2 for a spread, not {pairs}")
+    if pairs < 2 or pairs % 2:
+        raise ValueError(
+            f"--pairs must be even and at least 2 (each wheel first as often, "
+            f"and a spread), not {pairs}"
+        )
     wheels = {"ours": cpu_wheel, "official": official_wheel}
     log_dir = (log_dir or Path(tempfile.mkdtemp(prefix="live-cost-"))).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -289,8 +310,14 @@ def drive(
         infos = {w: workers[w].hello() for w in ORDER}
         print(f"[live_cost] servers up after {time.monotonic() - t0:.0f} s", file=log)
         for pair in range(pairs):
-            for w in ORDER:
-                run = {"pair": pair, "wheel": w, **workers[w].call({"cmd": "phase"})}
+            order = ORDER if pair % 2 == 0 else ORDER[::-1]
+            for position, w in enumerate(order):
+                run = {
+                    "pair": pair,
+                    "wheel": w,
+                    "first": position == 0,
+                    **workers[w].call({"cmd": "phase"}),
+                }
                 runs.append(run)
                 print(
                     f"[live_cost] pair {pair} {w}: {run['requests_per_s']:.2f} req/s, "
@@ -356,7 +383,8 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             f"{res['wheels']['ours']}` (copy_semantics "
             f"{res['policies']['ours']}) and the official `"
             f"{res['wheels']['official']}`. {res['pairs']} pairs of phases "
-            "alternated A, B, A, B (ours first), each on an emptied prefix "
+            "alternated A, B, B, A, ... (the wheel that goes first flips "
+            "every pair), each on an emptied prefix "
             "cache after one untimed warm-up phase per server. Throughput: "
             "requests per second over a phase; latency: the p50 of its "
             "completed requests; server CPU: user + system time of the "
@@ -427,6 +455,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
         "",
         f"Per pair, ours / official: throughput {pair_ratios(res, 'throughput')}; "
         f"p50 latency {pair_ratios(res, 'p50_latency')}.",
+        *order_effect(res),
         "",
         "| pair | wheel | requests | completed | s | req/s | p50 ms | p95 ms "
         "| server CPU ms/req | client CPU ms/req | event batches |",
@@ -441,6 +470,19 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             f"| {r['client_cpu_ms_per_request']:.1f} | {r['event_batches']} |"
         )
     return [*out, ""]
+
+
+def order_effect(res: dict[str, Any]) -> list[str]:
+    """A sentence on the order's own effect, where the run recorded it."""
+    by_first = res.get("pair_throughput_ratio_by_first", {})
+    if len(by_first) < 2:
+        return []
+    return [
+        "",
+        "The order alone moves a pair: its throughput ratio, ours / official, "
+        f"has the median {by_first['ours']:.3f} where ours ran first and "
+        f"{by_first['official']:.3f} where the official ran first.",
+    ]
 
 
 def summary_row(res: dict[str, Any]) -> tuple[str, str]:
