@@ -4,6 +4,7 @@ pinned release where a synthetic one is not enough."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import tempfile
 import textwrap
 from collections.abc import Generator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,6 +28,20 @@ from overlay_harness.walkthrough import git as git
 from vllm_overlay.paths import Layout, default_layout
 
 REPO = default_layout()
+
+
+def load_bench(name: str) -> ModuleType:
+    """``ci/bench/NAME.py``, a script rather than a package module, imported
+    under ``name``; registered in ``sys.modules`` first, as its dataclasses
+    look their module up by name while they are made."""
+    spec = importlib.util.spec_from_file_location(
+        name, REPO.root / "ci" / "bench" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def committed_copy(dest: Path) -> Path:

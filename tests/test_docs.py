@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import importlib.util
 import json
 import re
 import shutil
@@ -20,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, load_bench
 from overlay_harness import ci_run, seed_scenario
 
 ROOT = REPO.root
@@ -100,14 +99,7 @@ def test_readme_fleet_headline_is_the_fleet_report() -> None:
     """The README's one-sentence fleet result is ``bench_fleet_sim.headline``
     of the committed fleet_sim.json: a rerun that moves a figure fails here
     until the sentence from the rendered report replaces it."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_fleet_sim", ROOT / "ci" / "bench" / "bench_fleet_sim.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench_fleet_sim = importlib.util.module_from_spec(spec)
-    # Its dataclasses look their module up by name while they are made.
-    sys.modules[spec.name] = bench_fleet_sim
-    spec.loader.exec_module(bench_fleet_sim)
+    bench_fleet_sim = load_bench("bench_fleet_sim")
     report = json.loads((BENCH_DOCS / bench_fleet_sim.REPORT).read_text())
     quoted(re.escape(flat(bench_fleet_sim.headline(report))))
 
@@ -115,12 +107,7 @@ def test_readme_fleet_headline_is_the_fleet_report() -> None:
 def test_rebase_duration_is_the_rebase_report() -> None:
     """How long a rebase takes, stated once (README): ``rebase_sentence`` of
     the committed docs/benchmarks/rebase.json (ci/bench/bench_rebase.py)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_rebase", ROOT / "ci" / "bench" / "bench_rebase.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench_rebase = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_rebase)
+    bench_rebase = load_bench("bench_rebase")
     report = json.loads((BENCH_DOCS / "rebase.json").read_text())
     assert len(report["runs"]) >= 3, "a median needs at least 3 runs"
     quoted(re.escape(flat(bench_rebase.rebase_sentence(report))))

@@ -631,6 +631,43 @@ def test_rebased_pin_keeps_the_build_torch_of_the_same_minor(
     assert pin.version not in text and pin.commit_short not in text
 
 
+def test_rebased_pin_lists_only_the_comments_it_keeps(
+    checkout: Layout, tmp_path: Path
+) -> None:
+    """A second rebase of a pin that --write wrote: the comments it drops
+    (``# requirements of vllm 9.9.9`` above each torch pin) are not among
+    the comments it lists as renamed for the maintainer to read."""
+    pin = load_pin(checkout.pin)
+    releases = []
+    for version, build_torch in (("9.9.9", "2.15.0"), ("9.9.10", "2.16.0")):
+        tree = _tree(
+            tmp_path / version,
+            {
+                "vllm/_version.py": "commit_id = 'g0123abcd'\n",
+                "requirements/cuda.txt": "torch==2.14.5\n",
+                "requirements/build/cuda.txt": f"torch=={build_torch}\n",
+            },
+        )
+        wheel = pin.wheel.filename.replace(pin.version, version)
+        release = rebase.Release(
+            version,
+            rebase.PinnedFile(f"vllm-{version}.tar.gz", "1" * 64),
+            rebase.PinnedFile(wheel, "2" * 64),
+        )
+        releases.append((release, tree))
+    first, _ = rebase.rebased_pin(pin, *releases[0], dt.date(2027, 1, 2))
+    (tmp_path / "pin.toml").write_text(first)
+    second, notes = rebase.rebased_pin(
+        load_pin(tmp_path / "pin.toml"), *releases[1], dt.date(2027, 1, 3)
+    )
+    assert first.count("# requirements of vllm 9.9.9:") == 2
+    assert second.count("# requirements of vllm 9.9.10:") == 2
+    assert "9.9.9" not in second
+    renamed = notes[-1]
+    assert renamed.startswith("2 comment line(s) named 9.9.9 "), renamed
+    assert "requirements of vllm" not in renamed
+
+
 PY_LINES = "".join(f"x{i} = {i}\n" for i in range(1, 31))
 
 

@@ -6,24 +6,12 @@ tests/test_walkthrough.py's."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import tomllib
 from pathlib import Path
-from types import ModuleType
 
-from conftest import REPO, git
+from conftest import REPO, git, load_bench
 from overlay_harness import walkthrough
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_rebase", REPO.root / "ci" / "bench" / "bench_rebase.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _workspace(root: Path, files: dict[str, dict[str, str]]) -> Path:
@@ -89,7 +77,7 @@ def test_take_tests_puts_the_sources_tests_and_node_ids_in_place(
 def test_the_bench_starts_from_the_0_33_0_series_with_todays_tools(
     tmp_path: Path,
 ) -> None:
-    bench = _bench()
+    bench = load_bench("bench_rebase")
     root = bench.start_copy(tmp_path / "start")
     start = bench.START
     pin = tomllib.loads((root / "pin.toml").read_text())

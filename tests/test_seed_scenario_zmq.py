@@ -250,7 +250,6 @@ def _show(capsys: pytest.CaptureFixture[str], report: Report) -> None:
         print(f"\nseed scenario: {report.line()}")
 
 
-@pytest.mark.timeout(120)
 def test_expected_names_every_copy_semantics_of_the_engine() -> None:
     """The harness's table (which the CPU server tests and the live-router
     bench take their policies from) has one row per value of the engine's
@@ -260,6 +259,7 @@ def test_expected_names_every_copy_semantics_of_the_engine() -> None:
     assert tuple(EXPECTED) == KV_EVENTS_COPY_SEMANTICS
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", list(EXPECTED))
 def test_seed_scenario(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
     report = run_scenario(policy)

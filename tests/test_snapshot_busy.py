@@ -14,31 +14,17 @@ from __future__ import annotations
 
 import tempfile
 import time
-from typing import Any
 
 import msgspec
 import zmq
 
+from overlay_harness.replay_hwm import END_SEQ, ask
 from overlay_harness.router_view import checkout_consumer
 from overlay_harness.server_scenario import free_port
 
 KEYS = 200_000
 PER_BATCH = 1_000
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def _status(replay: str) -> dict[str, Any]:
-    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(replay)
-    try:
-        dealer.send_multipart((b"", msgspec.msgpack.encode({"op": "status"})))
-        assert dealer.poll(10_000), "no status"
-        _, _, seq, info = dealer.recv_multipart()
-        assert seq == END_SEQ
-        status: dict[str, Any] = msgspec.msgpack.decode(info)
-        return status
-    finally:
-        dealer.close(linger=0)
+STATUS = msgspec.msgpack.encode({"op": "status"})
 
 
 def test_consumer_asks_again_after_a_busy_refusal() -> None:
@@ -72,7 +58,7 @@ def test_consumer_asks_again_after_a_busy_refusal() -> None:
                 )
                 publisher.publish(KVEventBatch(ts=time.time(), events=[store]))
             deadline = time.monotonic() + 60
-            while (status := _status(replay))["next_seq"] < batches:
+            while (status := ask(replay, STATUS, 0)["end"])["next_seq"] < batches:
                 assert time.monotonic() < deadline, status
                 time.sleep(0.05)
             assert status["snapshot"]["held_keys"] == KEYS, status

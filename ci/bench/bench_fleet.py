@@ -81,7 +81,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,20 @@ class DynamoFeed:
         }
 
 
+def predicted_blocks(
+    tree: Any,
+    hash_blocks: Callable[[list[int], int], Any],
+    prompt: Sequence[int],
+    cap: int,
+    engines: int,
+    block: int,
+) -> list[int]:
+    """Per engine, the leading blocks of ``prompt`` (at most ``cap``) that
+    Dynamo's ``tree`` says it holds."""
+    scores = tree.find_matches(hash_blocks(list(prompt[: cap * block]), block)).scores
+    return [min(scores.get((w, 0), 0), cap) for w in range(engines)]
+
+
 class Router:
     """Longest held prefix from the tree, ties to the engine with fewer
     requests in flight (then the lower id); or round-robin."""
@@ -266,10 +280,9 @@ class Router:
                 engine, predicted = self.sent % ENGINES, None
             else:
                 cap = (len(prompt) - 1) // BLOCK
-                scores = self.tree.find_matches(
-                    self.hash_blocks(prompt[: cap * BLOCK], BLOCK)
-                ).scores
-                held = [min(scores.get((w, 0), 0), cap) for w in range(ENGINES)]
+                held = predicted_blocks(
+                    self.tree, self.hash_blocks, prompt, cap, ENGINES, BLOCK
+                )
                 engine = min(
                     range(ENGINES), key=lambda w: (-held[w], self.in_flight[w], w)
                 )

@@ -288,12 +288,9 @@ class Engine:
 
     def held_prefix(self, hashes: Sequence[Any]) -> int:
         """The oracle: leading blocks of ``hashes`` resident in the pool."""
-        n = 0
-        for h in hashes:
-            if self.pool.get_cached_block(h, [0]) is None:
-                break
-            n += 1
-        return n
+        return bl.prefix_len(
+            hashes, lambda h: self.pool.get_cached_block(h, [0]) is not None
+        )
 
     def load(self) -> tuple[int, int]:
         """Requests in the engine, and the blocks they hold or will."""
@@ -325,10 +322,9 @@ class DynamoIndex:
         ]
 
     def predict(self, prompt: Sequence[int], cap: int) -> list[int]:
-        scores = self.tree.find_matches(
-            self.hash_blocks(list(prompt[: cap * BS]), BS)
-        ).scores
-        return [min(scores.get((w, 0), 0), cap) for w in range(len(self.feeds))]
+        return bench_fleet.predicted_blocks(
+            self.tree, self.hash_blocks, prompt, cap, len(self.feeds), BS
+        )
 
     def rejections(self) -> int:
         return sum(sum(f.rejected.values()) for f in self.feeds)
@@ -866,10 +862,6 @@ def run_matrix(
     return [r for r in results if r is not None], infos
 
 
-def spread(xs: Sequence[float]) -> dict[str, float]:
-    return {"median": bl.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def stream_of(r: dict[str, Any]) -> str:
     return bl.policy_label(r["policy"])
 
@@ -916,13 +908,13 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "wire_bytes_per_request",
                 "events_per_request",
             ):
-                row[m] = spread([r[m] for r in rs])
+                row[m] = bl.spread([r[m] for r in rs])
             own = key[4] if key[4] != "round-robin" else None
             if own is not None:
                 for m in ("exact", "agree_with_oracle", "over", "under"):
-                    row[m] = spread([r["scores"][own][m] for r in rs])
+                    row[m] = bl.spread([r["scores"][own][m] for r in rs])
                 if own != "oracle":
-                    row["tree_rejections"] = spread(
+                    row["tree_rejections"] = bl.spread(
                         [r["tree_rejections"][own] for r in rs]
                     )
             fleet.append(row)
@@ -935,8 +927,8 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "agree_with_oracle",
                 "ttft_steps_mean",
             ):
-                row[m] = spread([r["after"][m] for r in rs])
-            row["exact_before_gap"] = spread([r["before"]["exact"] for r in rs])
+                row[m] = bl.spread([r["after"][m] for r in rs])
+            row["exact_before_gap"] = bl.spread([r["before"]["exact"] for r in rs])
             row["snapshots"] = sum(
                 r["consumer_recoveries_at_end"].get("snapshot", 0) for r in rs
             )
@@ -973,8 +965,8 @@ def paired(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     strict=True,
                 )
             ),
-            "hit_points": spread(v["points"]),
-            "tokens_computed_change": spread(v["computed"]),
+            "hit_points": bl.spread(v["points"]),
+            "tokens_computed_change": bl.spread(v["computed"]),
         }
         for key, v in rows.items()
     ]
@@ -1013,7 +1005,6 @@ class Rows:
     """The report's rows, looked up by their configuration."""
 
     def __init__(self, report: dict[str, Any]) -> None:
-        self.report = report
         self.fleet = {
             (r["workload"], r["engines"], r["stream"], r["index"], r["routing"]): r
             for r in report["fleet"]

@@ -296,20 +296,16 @@ def make_handler(argv: list[str]) -> Callable[[dict[str, Any]], dict[str, Any]]:
 # --------------------------------------------------------------------------
 
 
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Median, min and max over seeds per tree; event volume per policy."""
     out: dict[str, Any] = {}
     for tree, seeds in runs.items():
         s: dict[str, Any] = {
-            k: spread([r[k] for r in seeds]) for k in ("hit_rate", *POLICY_FREE)
+            k: bl.spread([r[k] for r in seeds]) for k in ("hit_rate", *POLICY_FREE)
         }
         s["events"] = {
             policy: {
-                k: spread([r["events"][policy][k] for r in seeds])
+                k: bl.spread([r["events"][policy][k] for r in seeds])
                 for k in ("stored_hashes", "removed_hashes", "messages", "frame_bytes")
             }
             for policy in seeds[0]["events"]

@@ -582,6 +582,11 @@ def external_key(key: Any) -> tuple[Any, int, Any]:
     )
 
 
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of ``xs`` (over seeds or repeats)."""
+    return {"median": median(xs), "min": min(xs), "max": max(xs)}
+
+
 def prefix_len(keys: Sequence[Any], contains: Callable[[Any], bool]) -> int:
     n = 0
     for k in keys:

@@ -99,10 +99,12 @@ def goal_of(workload: str, policy: str) -> tuple[str, Any]:
 
 
 def bytecode_goal(workload: str, policy: str) -> float | None:
-    """The goal of a bytecode row; None for a row without one (building the
-    pools: once per pool at start-up)."""
+    """The goal of a bytecode row; None for building the pools (once per
+    pool at start-up), the one row without a goal."""
+    if workload == bench_block_pool.POOL_CONSTRUCTION:
+        return None
     goal = BYTECODE_GOALS.get((workload, policy))
-    return BYTECODE_GOALS.get((workload, "*")) if goal is None else goal
+    return BYTECODE_GOALS[(workload, "*")] if goal is None else goal
 
 
 def measured_on(res: dict[str, Any]) -> str:
@@ -852,7 +854,8 @@ def trees_line(provenance: dict[str, Any]) -> str:
         f"Patched tree: `build/tree` (the series on vLLM {p['vllm_version']}); "
         f"unpatched tree: `ci/overlay pristine-tree` (the vLLM "
         f"{u['vllm_version']} sdist); workers' Python {p['python']} (the test "
-        "venv, `python -m overlay_harness.testenv`)."
+        "venv, `PYTHONPATH=ci python3 -m overlay_harness.testenv "
+        "dist/vllm-*.whl`)."
     )
 
 

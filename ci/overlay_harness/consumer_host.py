@@ -5,8 +5,9 @@ consumer wheel, ``vllm_kv_events_consumer``, in a venv without torch or
 vLLM).
 
 ``main`` reads one JSON request per line on stdin and answers one JSON line
-on stdout: ``join``, ``link``, ``predict``, ``held``, ``figures``,
-``close``. It imports only the standard library and the consumer package.
+on stdout: ``join``, ``link``, ``predict``, ``held``, ``figures``; it
+closes its consumers and exits at the end of stdin. It imports only the
+standard library and the consumer package.
 
     python -m overlay_harness.consumer_host
 """

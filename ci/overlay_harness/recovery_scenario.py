@@ -97,22 +97,25 @@ class WitnessTimeline:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.counts: list[int] = []
-        self._base = 0
-        self._live: load_scenario.LiveView | None = None
+        # (batches of the views before, the view followed now): one tuple,
+        # replaced whole, so that _run never sees a new base with the old view.
+        self._following: tuple[int, load_scenario.LiveView] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def follow(self, live: load_scenario.LiveView) -> None:
         """Count ``live``'s batches from now on, after the previous one's."""
-        self._base += self._live.batches if self._live is not None else 0
-        self._live = live
+        following = self._following
+        base = 0 if following is None else following[0] + following[1].batches
+        self._following = (base, live)
 
     def _run(self) -> None:
         while not self._stop.wait(self.STEP_S):
-            if self._live is not None:
+            following = self._following
+            if following is not None:
                 self.times.append(time.time())
-                self.counts.append(self._base + self._live.batches)
+                self.counts.append(following[0] + following[1].batches)
 
     def _at(self, t: float) -> int:
         i = bisect.bisect_right(self.times, t)

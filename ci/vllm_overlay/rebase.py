@@ -270,18 +270,6 @@ def rebased_pin(
         (pin.wheel.sha256, release.wheel.sha256),
     ):
         text = text.replace(old, new)
-    # What is left of the old release: `version = "..."` and the comments
-    # that name it or its commit ("the release's vllm/_version.py records").
-    renamed: list[str] = []
-    kept_lines = []
-    for line in text.splitlines(keepends=True):
-        new_line = line.replace(pin.version, release.version)
-        if pin.commit_short:
-            new_line = new_line.replace(pin.commit_short, new_commit_short)
-        if new_line != line and line.lstrip().startswith("#"):
-            renamed.append(new_line.strip())
-        kept_lines.append(new_line)
-    text = "".join(kept_lines)
     # The official wheel's torch is its platform's runtime requirement; the
     # build venv's is what vLLM's setup.py builds the CUDA wheel with.
     device = "cpu" if pin.wheel_project.endswith("-cpu") else "cuda"
@@ -313,6 +301,17 @@ def rebased_pin(
             )
             line = f'torch = "{value}"'
         lines.append(line)
+    # What is left of the old release, once the torch pins' old comments are
+    # gone: `version = "..."` and the comments that name it or its commit
+    # ("the release's vllm/_version.py records").
+    renamed: list[str] = []
+    for i, line in enumerate(lines):
+        new_line = line.replace(pin.version, release.version)
+        if pin.commit_short:
+            new_line = new_line.replace(pin.commit_short, new_commit_short)
+        if new_line != line and line.lstrip().startswith("#"):
+            renamed.append(new_line.strip())
+        lines[i] = new_line
     notes = [
         f"[{table}] torch = {value!r}, from {rel} of {release.sdist.filename}"
         for table, (value, rel) in pins.items()
