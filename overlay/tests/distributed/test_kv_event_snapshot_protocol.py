@@ -286,7 +286,7 @@ def test_snapshot_sends_parents_first_with_the_announced_metadata(policy):
             assert block_fields(event, i) == block_fields(*announced[h])
 
 
-@pytest.mark.parametrize("policy", ["logical", "last_copy", "physical"])
+@pytest.mark.parametrize("policy", KV_EVENTS_COPY_SEMANTICS)
 def test_the_record_keeps_a_key_as_one_entry(policy):
     """On the publish path the record allocates nothing per key but its
     dict entry, which points at the announcing store (0008's cost there);
