@@ -635,18 +635,18 @@ class Follower:
         busy = 0
         tries = 0
         while tries < self.SNAPSHOT_TRIES:
-            tries += 1
             reply = self.request(msgspec.msgpack.encode({"op": "snapshot"}))
             end = reply.end
+            if end is not None and end["status"] == "refused" and self._busy(busy):
+                # A busy refusal is not a failed try: _busy bounds the pauses.
+                busy += 1
+                continue
+            tries += 1
             if not reply.complete:
                 self.anomaly(
                     f"snapshot incomplete: {len(reply.batches)} batches arrived, "
                     "no end marker"
                 )
-                continue
-            if end is not None and end["status"] == "refused" and self._busy(busy):
-                busy += 1
-                tries -= 1
                 continue
             if end is None or end["status"] != "ok":
                 reason = "no snapshot service" if end is None else end["reason"]
