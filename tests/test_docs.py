@@ -14,10 +14,13 @@ import ast
 import difflib
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO, load_bench
 from overlay_harness import ci_run, seed_scenario
@@ -93,6 +96,43 @@ def test_generated_benchmark_docs_are_the_reports_rendered(tmp_path: Path) -> No
         "`python3 ci/bench/run_all.py --render-only --out docs/benchmarks`:\n"
         + "\n".join(f"{name}:\n{d}" for name, d in stale.items())
     )
+
+
+def test_a_full_benchmark_run_refuses_a_python_that_cannot_draw(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without matplotlib a full run would leave the plots of an older run
+    beside its figures: it stops before measuring, writes nothing, and
+    prints the command again with the workers' Python as the driver."""
+    monkeypatch.syspath_prepend(str(ROOT / "ci" / "bench"))
+    monkeypatch.chdir(ROOT)
+    run_all = load_bench("run_all")
+    # An import of it fails, as where it is not installed.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "live_cost.json").write_text("{}")
+    argv = [
+        "--patched-tree",
+        str(tmp_path / "patched"),
+        "--unpatched-tree",
+        str(tmp_path / "unpatched"),
+        "--python",
+        "/venv/bin/python",
+        "--out",
+        str(out),
+        "--keep-live-cost",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.drive_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err
+    hint = shlex.join(["/venv/bin/python", "ci/bench/run_all.py", *argv])
+    assert err.rstrip().endswith(hint), err
+    assert sorted(p.name for p in out.iterdir()) == ["live_cost.json"]
 
 
 def test_readme_fleet_headline_is_the_fleet_report() -> None:

@@ -23,7 +23,7 @@ what the fork gives it).
 
 Every figure in the reports comes from the JSON files; none is asserted.
 ``--render-only`` measures nothing, so a report and its Markdown never
-disagree (``tests/test_doc_figures.py`` renders the committed JSON and
+disagree (``tests/test_docs.py`` renders the committed JSON and
 compares).
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -618,6 +619,15 @@ def drive_main(argv: list[str]) -> int:
         ):
             if wheel is None or not wheel.is_file():
                 ap.error(f"{flag}: {wheel or 'missing'}: the live cost needs it")
+    if not a.quick and importlib.util.find_spec("matplotlib") is None:
+        # A full run without plots would leave OUT's PNGs from an older run
+        # beside this run's figures.
+        ap.error(
+            f"matplotlib is not installed in {sys.executable}, so the plots "
+            "would stay those of an older run; run the driver with the "
+            "workers' Python: "
+            + shlex.join([str(a.python), os.path.relpath(__file__), *argv])
+        )
     repeats = 2 if a.quick else a.repeats
     a.out.mkdir(parents=True, exist_ok=True)
     patched, unpatched = a.patched_tree, a.unpatched_tree
