@@ -672,6 +672,8 @@ def drive_main(argv: list[str]) -> int:
         results["live_cost"] = json.loads(kept_live_cost.read_text())
     else:
         results["live_cost"] = bench_live_cost.drive(a.cpu_wheel, a.official_cpu_wheel)
+    same = os.path.abspath(a.python) == os.path.abspath(sys.executable)
+    driver = str(a.python) if same else sys.executable
     run = {
         "quick": a.quick,
         "started": f"{started:%Y-%m-%d %H:%M}",
@@ -680,7 +682,9 @@ def drive_main(argv: list[str]) -> int:
         "machine_end": machine_line(),
         "trees": {n: str(t) for n, t in tree_paths.items()},
         "python": str(a.python),
-        "command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
+        # The driver as --python spells it when it is that interpreter, so
+        # that the page names it $python, a command that pastes.
+        "command": shlex.join([driver, *sys.argv]),
         "tree_digest_start": digest_before,
         "tree_digest_end": {n: tree_digest(t) for n, t in tree_paths.items()},
         "plots": make_plots(results, a.out),
