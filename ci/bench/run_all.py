@@ -421,7 +421,8 @@ def snapshot_section(sn: dict[str, Any]) -> list[str]:
         f"{sn['load_average_after'][0]:.1f} after, on 2 cores): the real "
         f"`ZmqEventPublisher` publishing {any_scenario['batches']:,} batches "
         "with the record on and off, alternated in one run, to a SUB socket on "
-        "127.0.0.1, after an untimed fill to the scenario's held keys; medians "
+        "127.0.0.1 in another process (a router's side, not counted), after an "
+        "untimed fill to the scenario's held keys; medians "
         f"over repeats. Goal: process CPU on / off <= {goal:.2f}. The spread is "
         "each mode's first half of the repeats over its second.",
         "",
