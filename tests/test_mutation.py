@@ -5,6 +5,7 @@ tree, and say so loudly when it does not."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,23 @@ def test_a_mutant_that_no_longer_applies_names_itself() -> None:
         f"mutant {mutant.name} no longer applies to {mutant.file} (its text occurs "
         "0 times, not once): update it in ci/bench/mutation.py"
     )
+
+
+def test_a_python_that_is_not_a_file_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    with pytest.raises(SystemExit) as exit_info:
+        mutation.main(
+            [
+                "--tree",
+                str(tmp_path),
+                "--python",
+                str(missing),
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert f"--python {missing} is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import datetime as dt
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -192,10 +193,7 @@ _TRACKER_INIT = (
     '        # under "physical" only the reset reads them, the primary tier\'s, so\n'
     "        # no other tier is counted.\n"
     "        self._announced: dict[_AnnouncedKey, int] = {}\n"
-    "        self._counted_tier = (\n"
-    '            None if config.copy_semantics != "physical" '
-    "else (_PRIMARY_MEDIUM, None)\n"
-    "        )\n"
+    '        self._counts_every_tier = config.copy_semantics != "physical"\n'
     "        # Events translated ahead of the next take_events(): the manager's\n"
     "        # backlog at a reset, then the reset's removals.\n"
     "        self._queued: list[KVCacheEvent] = []\n"
@@ -705,6 +703,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run only this mutant (repeatable; every mutant must still apply)",
     )
     args = ap.parse_args(argv)
+    if not args.python.is_file():
+        ap.error(f"--python {args.python} is not a file: name the test venv's python")
+    # The tests run with the tree as their working directory. Not resolve():
+    # a venv's python is a symlink, and its target is not the venv.
+    args.python = Path(os.path.abspath(args.python))
     if args.set == "merge":
         return merge_main(args)
     selected = [m for m in MUTANTS if not args.mutant or m.name in args.mutant]
