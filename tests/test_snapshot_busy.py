@@ -1,11 +1,11 @@
 """A snapshot refused as busy is asked again, as docs/snapshot-protocol.md
 advises: the reference consumer of this checkout against the real
 ``ZmqEventPublisher`` of the installed (main) wheel, while four other
-clients' snapshots (the most it sends at once) are being sent.
+clients' snapshots (the most it has under way) are being built and sent.
 
 The publisher holds 200,000 keys, so each snapshot is about 200 batches,
-sent one per turn of its loop between live batches; the consumer joins
-once the four have started. It must be refused, pause, ask again and end
+which its record process builds one snapshot after the other; the consumer
+asks right after the four. It must be refused, pause, ask again and end
 with every key. The consumer before this (issue 31) stopped at the first
 refusal with ``RecoveryFailed``.
 """
@@ -58,22 +58,25 @@ def test_consumer_asks_again_after_a_busy_refusal() -> None:
                 )
                 publisher.publish(KVEventBatch(ts=time.time(), events=[store]))
             deadline = time.monotonic() + 60
-            while (status := ask(replay, STATUS, 0)["end"])["next_seq"] < batches:
+            # Until the record (a process of its own) has applied them all.
+            while (status := ask(replay, STATUS, 0)["end"])["snapshot"][
+                "next_seq"
+            ] < batches:
                 assert time.monotonic() < deadline, status
                 time.sleep(0.05)
             assert status["snapshot"]["held_keys"] == KEYS, status
-            # Four snapshots under way, their clients not reading the rest.
+            # Four snapshots under way, their clients not reading them yet.
             for _ in range(publisher.MAX_SNAPSHOTS):
                 holder: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
                 holder.connect(replay)
                 holder.send_multipart((b"", msgspec.msgpack.encode({"op": "snapshot"})))
                 holders.append(holder)
+            follower = module.Follower(live, replay)
+            follower.sync()
             for holder in holders:
                 assert holder.poll(10_000), "a snapshot did not start"
                 _, _, seq, _ = holder.recv_multipart()
                 assert seq != END_SEQ, "a holder's snapshot was refused"
-            follower = module.Follower(live, replay)
-            follower.sync()
         finally:
             for holder in holders:
                 holder.close(linger=0)

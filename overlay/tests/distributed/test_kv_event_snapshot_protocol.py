@@ -8,24 +8,29 @@ order they were stored in, with the metadata they were announced with."""
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
 
 import msgspec
+import psutil
 import pytest
 import zmq
 
 from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS
-from vllm.distributed import kv_events_consumer
+from vllm.distributed import kv_events_consumer, kv_events_record
 from vllm.distributed.kv_events import (
+    RECORD_SCHEMA,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventRecord,
     ZmqEventPublisher,
 )
 from vllm.distributed.kv_events_consumer import Follower, block_fields
+from vllm.distributed.kv_events_record import KVEventRecord
 
 pytestmark = pytest.mark.cpu_test
 
@@ -67,6 +72,19 @@ def ask(pub: ZmqEventPublisher, *frames: bytes) -> list[list[bytes]]:
 
 def end_info(messages: list[list[bytes]]) -> dict:
     return msgspec.msgpack.decode(messages[-1][-1])
+
+
+def recorded_status(pub: ZmqEventPublisher, seq: int) -> dict:
+    """The status once the publisher has sent ``seq`` batches and its record
+    (a process of its own, reporting every 50 ms) has applied them or is off."""
+    deadline = time.monotonic() + 10
+    while True:
+        status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
+        record_seq = status["snapshot"]["next_seq"]
+        if status["next_seq"] >= seq and (record_seq is None or record_seq >= seq):
+            return status
+        assert time.monotonic() < deadline, f"the record did not reach seq {seq}"
+        time.sleep(0.01)
 
 
 @pytest.fixture(autouse=True)
@@ -119,12 +137,10 @@ def test_snapshot_refused_when_off_or_above_the_cap(max_keys):
     pub = publisher(snapshot_max_keys=max_keys)
     try:
         pub.publish(KVEventBatch(ts=0.0, events=[stored([1, 2, 3])]))
-        status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
-        while status["next_seq"] < 1:
-            time.sleep(0.01)
-            status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
+        status = recorded_status(pub, 1)
         assert status["snapshot"]["enabled"] is False
         assert status["snapshot"]["held_keys"] is None
+        assert status["snapshot"]["next_seq"] is None
         assert "snapshot_max_keys" in status["snapshot"]["reason"]
         messages = ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"}))
         assert len(messages) == 1, "a refused snapshot sends no batch"
@@ -142,10 +158,7 @@ def test_the_record_at_the_cap_still_serves_snapshots():
     pub = publisher(snapshot_max_keys=3)
     try:
         pub.publish(KVEventBatch(ts=0.0, events=[stored([1, 2, 3])]))
-        status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
-        while status["next_seq"] < 1:
-            time.sleep(0.01)
-            status = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "status"})))
+        status = recorded_status(pub, 1)
         assert status["snapshot"]["enabled"] is True
         assert status["snapshot"]["held_keys"] == 3
         info = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"})))
@@ -263,7 +276,7 @@ def test_a_request_lost_with_its_connection_is_sent_again():
 
 @pytest.mark.parametrize("policy", KV_EVENTS_COPY_SEMANTICS)
 def test_snapshot_sends_parents_first_with_the_announced_metadata(policy):
-    record = KVEventRecord(policy)
+    record = KVEventRecord(policy, RECORD_SCHEMA)
     child = stored([5, 6], parent=4, locality="LOCAL", session_id="s")
     parent = stored([3, 4], parent=None, extra_keys=[("salt",), None])
     # The child is held while its parent leaves, then the parent comes back:
@@ -297,7 +310,7 @@ def test_the_record_keeps_a_key_as_one_entry(policy):
         BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0)
         for h in range(1, keys + 1, 2)
     ]
-    record = KVEventRecord(policy)
+    record = KVEventRecord(policy, RECORD_SCHEMA)
     tracemalloc.start()
     try:
         record.apply(stores)
@@ -436,3 +449,127 @@ def test_a_snapshot_missing_a_batch_is_an_anomaly_and_asked_again():
             follower.close()
     finally:
         pub.shutdown()
+
+
+def _every_field(hashes) -> BlockStored:
+    """A store with every field the schema has set to a non-default value."""
+    extra = {
+        "extra_keys": [("lora", 7), None],
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": 128,
+        "locality": "LOCAL",
+        "ownership": "tier-2",
+        "session_id": "s",
+        "lookahead_token_ids": [[1, 2], [3, 4]],
+    }
+    fields = BlockStored.__struct_fields__
+    return stored(hashes, 3, **{k: v for k, v in extra.items() if k in fields})
+
+
+def test_the_record_process_schema_is_the_engines_byte_for_byte():
+    """The record process decodes and re-encodes the stream with structs
+    rebuilt from the description the publisher passes it."""
+    spec = kv_events_record.schema_spec(RECORD_SCHEMA)
+    rebuilt = kv_events_record.schema_from_spec(spec)
+    batch = KVEventBatch(
+        ts=1.5,
+        events=[
+            _every_field([4, 5]),
+            stored([6]),
+            BlockRemoved(block_hashes=[b"\x01" * 32], medium="CPU", group_idx=1),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=2,
+    )
+    payload = msgspec.msgpack.encode(batch)
+    decoded = msgspec.msgpack.Decoder(rebuilt.batch).decode(payload)
+    assert msgspec.msgpack.encode(decoded) == payload
+    # Snapshots built on either schema are the same bytes.
+    snapshots = []
+    for schema, events in ((RECORD_SCHEMA, batch.events), (rebuilt, decoded.events)):
+        record = KVEventRecord("physical", schema)
+        record.apply(events[:2] + events[:1])
+        snapshots.append(
+            [
+                msgspec.msgpack.encode(schema.batch(ts=0.0, events=events))
+                for events in record.snapshot(keys_per_batch=2)
+            ]
+        )
+    assert snapshots[0] == snapshots[1] and len(snapshots[0]) == 3
+    # The check can fail: a description that lost a field differs.
+    spec["stored"]["fields"].pop()
+    lossy = kv_events_record.schema_from_spec(spec)
+    assert (
+        msgspec.msgpack.encode(msgspec.msgpack.Decoder(lossy.batch).decode(payload))
+        != payload
+    )
+
+
+def test_the_record_process_imports_neither_vllm_nor_torch():
+    # What the record process runs (RecordProcess), without __main__.
+    code = (
+        "import runpy, sys; runpy.run_path(sys.argv[1]); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, kv_events_record.__file__],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == "[]"
+
+
+def _record_process() -> psutil.Process:
+    """This test process's record process (a publisher's child)."""
+    children = [
+        p
+        for p in psutil.Process().children()
+        if kv_events_record.__file__ in p.cmdline()
+    ]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def test_the_record_has_every_batch_sent_before_its_process_started():
+    # Published at once, while the record process is still starting.
+    pub = publisher()
+    try:
+        _stores(pub, range(1, 201))
+        status = recorded_status(pub, 200)
+        assert status["snapshot"]["held_keys"] == 200
+        info = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"})))
+        assert info["status"] == "ok" and info["keys"] == 200
+        assert info["resume_seq"] == 200
+    finally:
+        pub.shutdown()
+
+
+def test_a_dead_record_process_turns_snapshots_off_and_the_stream_goes_on():
+    pub = publisher()
+    try:
+        _stores(pub, (1, 2))
+        recorded_status(pub, 2)
+        child = _record_process()
+        child.kill()
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while recorded_status(pub, 2)["snapshot"]["enabled"]:
+            assert time.monotonic() < deadline, "status still says enabled"
+            time.sleep(0.05)
+        reason = recorded_status(pub, 2)["snapshot"]["reason"]
+        assert "record process exited" in reason
+        info = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"})))
+        assert info == {**info, "status": "refused", "reason": reason}
+        _stores(pub, (3,))
+        replay = ask(pub, b"", (0).to_bytes(8, "big"))
+        assert [int.from_bytes(m[2], "big") for m in replay[:-1]] == [0, 1, 2]
+    finally:
+        pub.shutdown()
+
+
+def test_shutdown_stops_the_record_process():
+    pub = publisher()
+    child = _record_process()
+    pub.shutdown()
+    assert child.wait(5) is not None or not child.is_running()

@@ -42,12 +42,13 @@ from vllm.config import (
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed import kv_events_consumer
 from vllm.distributed.kv_events import (
+    RECORD_SCHEMA,
     BlockStored,
     KVEventBatch,
-    KVEventRecord,
     ZmqEventPublisher,
 )
 from vllm.distributed.kv_events_consumer import Follower, Mirror
+from vllm.distributed.kv_events_record import KVEventRecord
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
@@ -191,7 +192,7 @@ def test_partial_tail_stores_keep_the_groups_block_size(model_dir):
     assert stores.index(tails[-1]) > 0
 
     live = Mirror("logical")
-    record = KVEventRecord("logical")
+    record = KVEventRecord("logical", RECORD_SCHEMA)
     for event in tap.events:
         live.apply(event)
     record.apply(tap.events)
