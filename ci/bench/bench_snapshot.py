@@ -13,24 +13,27 @@ which has the engine's requirements. It writes ``snapshot.json``:
   2,000-key cache where half the stores bring back evicted prefixes. A
   batch is what an engine step under eviction sends: 4 requests, each
   evicting 8 blocks (one single-key ``BlockRemoved`` per block, as
-  ``BlockPool`` sends them) and storing a run of 8 blocks of 16 tokens.
-  The stream is first filled to the scenario's held keys (untimed); per
-  repeat the time from the first timed ``publish`` to the last batch read
-  by a SUB socket on 127.0.0.1 in another process (``sub_reader.py``), as
-  a router reads the stream: this process's CPU is then the engine's side
-  alone (a reader in it would add about as much again to both modes).
-  Medians per mode, their ratio against ``GOAL``, and the spread of each
-  mode (its first half of repeats against its second). Wall time and the
-  process's CPU time (all threads), the latter less disturbed by a loaded
-  machine; the load average is recorded.
-* ``apply_cpu_us_per_batch`` (per scenario): ``KVEventRecord.apply`` alone
-  on the same batches (thread CPU time).
-* ``memory``: bytes per held key (tracemalloc) of a record built from such
-  stores, the announcing events included (the record keeps them alive).
+  ``BlockPool`` sends them) and storing a run of 8 blocks of 16 tokens,
+  published as fast as the publisher takes them (the costliest case for
+  the ratio: no idle wake-ups to share). The stream is first filled to the
+  scenario's held keys (untimed); per repeat the time from the first timed
+  ``publish`` to the last batch read by a SUB socket on 127.0.0.1 in
+  another process (``sub_reader.py``), as a router reads the stream. This
+  process is the engine's: its CPU time (all threads) is the publish
+  path's, with the record on counting what the publisher does for the
+  record process. The record process's CPU over the same batches is
+  given apart. This process runs on one core, the reader and the record
+  process on the other (``ENGINE_CORE``). Medians per mode, their ratio
+  against ``GOAL``, and the spread of each mode (its first half of
+  repeats against its second); the load average is recorded.
+* ``apply_cpu_us_per_batch`` (per scenario): what the record process does
+  per batch, alone: decode it and ``KVEventRecord.apply`` (thread CPU).
+* ``memory``: bytes per held key (tracemalloc) of the record process's
+  record, the decoded announcing stores included (it keeps them alive).
 * ``snapshot``: for 1k, 10k and 100k held keys, the time from a snapshot
-  request to its end message at the consumer over ZMQ, the record's copy
-  (the one step done at once) and the longest single batch (built, encoded,
-  sent; median and longest), i.e. the pause a live batch can see.
+  request to its end message at the consumer over ZMQ, and the longest
+  delay from ``publish`` to a SUB socket of a live batch published every
+  millisecond meanwhile, against as long a span without a snapshot.
 
 The import-time heap is frozen out of the garbage collector first, as
 ``EngineCore`` does after start-up.
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import select
@@ -53,15 +57,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import zmq
+from vllm.distributed import kv_events_record
 from vllm.distributed.kv_events import (
+    RECORD_SCHEMA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventRecord,
     ZmqEventPublisher,
 )
+from vllm.distributed.kv_events_record import KVEventRecord
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 
 BLOCK = 16
@@ -70,6 +77,14 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 GOAL = 1.10  # record on / off, process CPU, on the live publish path
+# The engine's process (this one) runs on the first core, the router's
+# reader and the record process (at nice 10, as it sets itself) on the
+# others, in both modes: as on a server, the engine's process does not
+# share its core with them, and the reader reads as fast with the record on
+# as off (a reader that falls behind lets ZMQ send several batches per
+# system call, which would make the engine's side look cheaper).
+ENGINE_CORE = min(os.sched_getaffinity(0))
+OTHER_CORES = sorted(os.sched_getaffinity(0) - {ENGINE_CORE}) or [ENGINE_CORE]
 # name: (held keys, share of stores that bring back an evicted prefix)
 SCENARIOS = {"held_100k": (100_000, 0.0), "churn": (2_000, 0.5)}
 
@@ -148,6 +163,7 @@ class Reader:
             stdout=subprocess.PIPE,
             text=True,
         )
+        psutil.Process(self._proc.pid).cpu_affinity(OTHER_CORES)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin, self.stdout = self._proc.stdin, self._proc.stdout
 
@@ -171,12 +187,67 @@ class Reader:
             self._proc.wait()
 
 
+# The record process's schema: structs rebuilt from the engine's.
+CHILD_SCHEMA = kv_events_record.schema_from_spec(
+    kv_events_record.schema_spec(RECORD_SCHEMA)
+)
+
+
+def child_decoder() -> msgspec.msgpack.Decoder[Any]:
+    """The record process's decoder of a batch (its structs are built at
+    run time, so typed Any here)."""
+    return msgspec.msgpack.Decoder(CHILD_SCHEMA.batch)
+
+
+def status(pub: ZmqEventPublisher) -> dict[str, Any]:
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    replay = pub.get_publisher_config().replay_endpoint
+    assert replay is not None  # bound by every publisher here
+    dealer.connect(replay)
+    try:
+        dealer.send_multipart((b"", msgspec.msgpack.encode({"op": "status"})))
+        reply: dict[str, Any] = msgspec.msgpack.decode(dealer.recv_multipart()[-1])
+        return reply
+    finally:
+        dealer.close(linger=0)
+
+
+def record_process() -> psutil.Process | None:
+    """The record process of this process's publisher, if one runs."""
+    for child in psutil.Process().children():
+        if kv_events_record.__file__ in child.cmdline():
+            return child
+    return None
+
+
+def cpu_seconds(process: psutil.Process | None) -> float:
+    if process is None:
+        return 0.0
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def await_record(
+    pub: ZmqEventPublisher, recorder: psutil.Process | None, seq: int
+) -> None:
+    """Wait until the record process (if any) has applied the batches
+    before ``seq``."""
+    while recorder is not None:
+        record = status(pub)["snapshot"]
+        if not record["enabled"]:
+            raise RuntimeError(f"the record went off: {record['reason']}")
+        if record["next_seq"] >= seq:
+            return
+        time.sleep(0.01)
+
+
 def publish_time(
     warm: list[KVEventBatch], batches: list[KVEventBatch], max_keys: int
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Wall and CPU seconds (this process, all threads) from the first
     ``publish`` of ``batches`` to the last batch read by a SUB socket in
-    another process, ``warm`` published and read before."""
+    another process, ``warm`` published and read before; and the record
+    process's CPU seconds until it has applied them too (0 without one)."""
     pub = ZmqEventPublisher(
         0,
         endpoint="tcp://*:0",
@@ -198,12 +269,22 @@ def publish_time(
         for batch in warm:
             pub.publish(batch)
         reader.reached()
-        reader.ask(sent + len(warm) + len(batches) - 1)
+        recorder = record_process()
+        if recorder is not None:
+            recorder.cpu_affinity(OTHER_CORES)
+        # The record process has applied the fill too: it works on the timed
+        # batches only, as an engine's does in steady state.
+        await_record(pub, recorder, sent + len(warm))
+        last = sent + len(warm) + len(batches)
+        reader.ask(last - 1)
         start, cpu = time.perf_counter(), time.process_time()
+        record_cpu = cpu_seconds(recorder)
         for batch in batches:
             pub.publish(batch)
         reader.reached()
-        return time.perf_counter() - start, time.process_time() - cpu
+        wall, used = time.perf_counter() - start, time.process_time() - cpu
+        await_record(pub, recorder, last)
+        return wall, used, cpu_seconds(recorder) - record_cpu
     finally:
         reader.close()
         pub.shutdown()
@@ -215,11 +296,16 @@ def scenario(held: int, restore: float, repeats: int, n_batches: int) -> dict[st
     batches = [stream.batch() for _ in range(n_batches)]
     times: dict[str, list[float]] = {"on": [], "off": []}
     cpu: dict[str, list[float]] = {"on": [], "off": []}
+    record_cpu: list[float] = []
     for _ in range(repeats):
         for mode in ("on", "off"):  # ABAB
-            wall, used = publish_time(warm, batches, 1_000_000 if mode == "on" else 0)
+            wall, used, recorded = publish_time(
+                warm, batches, 1_000_000 if mode == "on" else 0
+            )
             times[mode].append(wall)
             cpu[mode].append(used)
+            if mode == "on":
+                record_cpu.append(recorded)
 
     def per_batch_us(samples: dict[str, list[float]]) -> dict[str, float]:
         return {
@@ -234,12 +320,15 @@ def scenario(held: int, restore: float, repeats: int, n_batches: int) -> dict[st
         }
 
     wall_us, cpu_us = per_batch_us(times), per_batch_us(cpu)
-    record = KVEventRecord("logical")
+    # The record process's work per batch, alone: decode, then apply.
+    record = KVEventRecord("logical", CHILD_SCHEMA)
+    decoder = child_decoder()
     for batch in warm:
-        record.apply(batch.events)
+        record.apply(decoder.decode(msgspec.msgpack.encode(batch)).events)
+    payloads = [msgspec.msgpack.encode(batch) for batch in batches]
     start = time.thread_time()
-    for batch in batches:
-        record.apply(batch.events)
+    for payload in payloads:
+        record.apply(decoder.decode(payload).events)
     apply_us = (time.thread_time() - start) / len(batches) * 1e6
     removed = sum(isinstance(e, BlockRemoved) for b in batches for e in b.events)
     stored = sum(isinstance(e, BlockStored) for b in batches for e in b.events)
@@ -258,6 +347,9 @@ def scenario(held: int, restore: float, repeats: int, n_batches: int) -> dict[st
         "wall_spread_first_half_over_second": spread(times),
         "cpu_spread_first_half_over_second": spread(cpu),
         "apply_cpu_us_per_batch": apply_us,
+        "record_process_cpu_us_per_batch": statistics.median(record_cpu)
+        / len(batches)
+        * 1e6,
         "held_keys_at_end": record.num_keys,
     }
 
@@ -270,12 +362,17 @@ def live(repeats: int, n_batches: int) -> dict[str, Any]:
 
 
 def memory(keys: int) -> dict[str, Any]:
+    """Bytes per held key of the record process's record: its dict entries
+    and the decoded stores they keep alive."""
     stream = Stream(1)
+    payload = msgspec.msgpack.encode(
+        KVEventBatch(ts=0.0, events=stream.stores(keys // RUN))
+    )
+    decoder = child_decoder()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    record = KVEventRecord("logical")
-    record.apply(stream.stores(keys // RUN))
-    stream.held.clear()
+    record = KVEventRecord("logical", CHILD_SCHEMA)
+    record.apply(decoder.decode(payload).events)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return {
@@ -284,67 +381,108 @@ def memory(keys: int) -> dict[str, Any]:
     }
 
 
+def live_delays(
+    pub: ZmqEventPublisher,
+    sub: zmq.Socket[bytes],
+    until_s: float,
+    dealer: zmq.Socket[bytes] | None = None,
+) -> tuple[list[float], dict[str, Any] | None, float]:
+    """Publish an empty batch every millisecond and read it back on ``sub``:
+    each batch's delay from ``publish`` to arrival, in seconds. Until the
+    snapshot answer on ``dealer`` ends (its end message is returned, with
+    when it arrived: ``time.perf_counter()``), or for ``until_s`` seconds
+    without one."""
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    if dealer is not None:
+        poller.register(dealer, zmq.POLLIN)
+    delays: list[float] = []
+    end = None
+    ended = 0.0
+    stop = time.perf_counter() + until_s
+    due = time.perf_counter()
+    while (dealer is not None and end is None) or time.perf_counter() < stop:
+        if time.perf_counter() >= due:
+            pub.publish(KVEventBatch(ts=time.time(), events=[]))
+            due += 0.001
+        # Sleep in poll until the next batch is due (at least 1 ms while it
+        # is ahead): a loop spinning here would hold the GIL from the
+        # publisher thread, as no engine does.
+        wait_ms = math.ceil((due - time.perf_counter()) * 1000)
+        ready = dict(poller.poll(max(0, wait_ms)))
+        if sub in ready:
+            while sub.poll(0):
+                batch = decoder.decode(sub.recv_multipart()[-1])
+                delays.append(time.time() - batch.ts)
+        if dealer is not None and dealer in ready:
+            while dealer.poll(0):
+                frames = dealer.recv_multipart()
+                if frames[2] == ZmqEventPublisher.END_SEQ:
+                    end = msgspec.msgpack.decode(frames[3])
+                    ended = time.perf_counter()
+    # What is still on its way belongs to this span.
+    while sub.poll(50):
+        delays.append(time.time() - decoder.decode(sub.recv_multipart()[-1]).ts)
+    return delays, end, ended
+
+
 def snapshot(keys: int, repeats: int) -> dict[str, Any]:
+    """Snapshots of ``keys`` held keys: request to end message, and the
+    longest delay of a live batch (one a millisecond) while one is sent,
+    against as long a span without one."""
     pub = ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    recorder = record_process()
+    assert recorder is not None, "the publisher started no record process"
+    recorder.cpu_affinity(OTHER_CORES)
     stream = Stream(2)
     for _ in range(-(-keys // (RUN * 16))):
         pub.publish(KVEventBatch(ts=time.time(), events=stream.stores(16)))
-    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sub: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.get_publisher_config().endpoint)
+    dealer: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     replay = pub.get_publisher_config().replay_endpoint
     assert replay is not None  # bound above
     dealer.connect(replay)
     request = msgspec.msgpack.encode({"op": "snapshot"})
-    totals, held = [], 0
+    totals, during, idle, held = [], [], [], 0
     try:
-        time.sleep(0.5)
+        # Until the subscription has landed and the record holds the fill.
+        while not live_delays(pub, sub, 0.05)[0]:
+            pass
+        sent = status(pub)["next_seq"]
+        while status(pub)["snapshot"]["next_seq"] < sent:
+            time.sleep(0.01)
         for _ in range(repeats):
             start = time.perf_counter()
             dealer.send_multipart((b"", request))
-            while True:
-                frames = dealer.recv_multipart()
-                if frames[2] == ZmqEventPublisher.END_SEQ:
-                    info = msgspec.msgpack.decode(frames[3])
-                    break
-            totals.append(time.perf_counter() - start)
-            assert info["status"] == "ok", info
+            delays, info, ended = live_delays(pub, sub, 0.0, dealer)
+            totals.append(ended - start)
+            assert info is not None and info["status"] == "ok", info
             held = info["keys"]
+            during.append(max(delays))
+            idle.append(max(live_delays(pub, sub, totals[-1])[0]))
     finally:
+        sub.close(linger=0)
         dealer.close(linger=0)
         pub.shutdown()
-    # The publisher thread's two kinds of turn, timed alone on the same record.
-    record = KVEventRecord("logical")
-    record.apply(stream.stores(keys // RUN))
-    encoder = msgspec.msgpack.Encoder()
-    copies, longest, typical = [], [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        batches = record.snapshot(ZmqEventPublisher.SNAPSHOT_KEYS_PER_BATCH)
-        copies.append(time.perf_counter() - start)
-        turns = []
-        while True:
-            start = time.perf_counter()
-            events = next(batches, None)
-            if events is None:
-                break
-            encoder.encode(KVEventBatch(ts=0.0, events=events))
-            turns.append(time.perf_counter() - start)
-        longest.append(max(turns))
-        typical.append(statistics.median(turns))
     return {
         "held_keys": held,
         "request_to_end_ms": statistics.median(totals) * 1e3,
         "request_to_end_ms_all": [t * 1e3 for t in totals],
-        "copy_ms": statistics.median(copies) * 1e3,
-        "longest_batch_ms": statistics.median(longest) * 1e3,
-        "median_batch_ms": statistics.median(typical) * 1e3,
+        "live_delay_max_ms": statistics.median(during) * 1e3,
+        "live_delay_max_ms_all": [t * 1e3 for t in during],
+        "live_delay_max_without_ms": statistics.median(idle) * 1e3,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="write snapshot.json here")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--batches", type=int, default=3000)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--batches", type=int, default=10_000)
     args = ap.parse_args(argv)
     # tcp://*:0 binds VLLM_HOST_IP on a free port.
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -356,10 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     # (about 0.5 s here without this) is not timed as the record's pause.
     gc.collect()
     gc.freeze()
+    os.sched_setaffinity(0, {ENGINE_CORE})
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average_before": os.getloadavg(),
         "goal_cpu_ratio": GOAL,
+        "engine_core": ENGINE_CORE,
+        "other_cores": OTHER_CORES,
         "live": live(args.repeats, args.batches),
         "load_average_after": os.getloadavg(),
         "memory": memory(100_000),
