@@ -4,8 +4,8 @@ advises: the reference consumer of this checkout against the real
 clients' snapshots (the most it has under way) are being built and sent.
 
 The publisher holds 200,000 keys, so each snapshot is about 200 batches,
-which its record process builds one snapshot after the other; the consumer
-asks right after the four. It must be refused, pause, ask again and end
+which its record process sends a batch of each in turn; the consumer joins
+once the four have started. It must be refused, pause, ask again and end
 with every key. The consumer before this (issue 31) stopped at the first
 refusal with ``RecoveryFailed``.
 """
@@ -65,18 +65,18 @@ def test_consumer_asks_again_after_a_busy_refusal() -> None:
                 assert time.monotonic() < deadline, status
                 time.sleep(0.05)
             assert status["snapshot"]["held_keys"] == KEYS, status
-            # Four snapshots under way, their clients not reading them yet.
+            # Four snapshots under way, their clients not reading the rest.
             for _ in range(publisher.MAX_SNAPSHOTS):
                 holder: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
                 holder.connect(replay)
                 holder.send_multipart((b"", msgspec.msgpack.encode({"op": "snapshot"})))
                 holders.append(holder)
-            follower = module.Follower(live, replay)
-            follower.sync()
             for holder in holders:
                 assert holder.poll(10_000), "a snapshot did not start"
                 _, _, seq, _ = holder.recv_multipart()
                 assert seq != END_SEQ, "a holder's snapshot was refused"
+            follower = module.Follower(live, replay)
+            follower.sync()
         finally:
             for holder in holders:
                 holder.close(linger=0)

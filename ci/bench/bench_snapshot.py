@@ -56,6 +56,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import benchlib  # noqa: F401  (puts ci/ on sys.path, for overlay_harness)
 import msgspec
 import psutil
 import zmq
@@ -70,6 +71,8 @@ from vllm.distributed.kv_events import (
 )
 from vllm.distributed.kv_events_record import KVEventRecord
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash
+
+from overlay_harness.replay_hwm import ask
 
 BLOCK = 16
 RUN = 8
@@ -187,6 +190,7 @@ class Reader:
             self._proc.wait()
 
 
+STATUS = msgspec.msgpack.encode({"op": "status"})
 # The record process's schema: structs rebuilt from the engine's.
 CHILD_SCHEMA = kv_events_record.schema_from_spec(
     kv_events_record.schema_spec(RECORD_SCHEMA)
@@ -200,16 +204,10 @@ def child_decoder() -> msgspec.msgpack.Decoder[Any]:
 
 
 def status(pub: ZmqEventPublisher) -> dict[str, Any]:
-    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     replay = pub.get_publisher_config().replay_endpoint
     assert replay is not None  # bound by every publisher here
-    dealer.connect(replay)
-    try:
-        dealer.send_multipart((b"", msgspec.msgpack.encode({"op": "status"})))
-        reply: dict[str, Any] = msgspec.msgpack.decode(dealer.recv_multipart()[-1])
-        return reply
-    finally:
-        dealer.close(linger=0)
+    reply: dict[str, Any] = ask(replay, STATUS, 0)["end"]
+    return reply
 
 
 def record_process() -> psutil.Process | None:

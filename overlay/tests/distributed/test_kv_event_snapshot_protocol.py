@@ -7,6 +7,7 @@ a gap by its epoch; the snapshot sends a parent before its child whatever
 order they were stored in, with the metadata they were announced with."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -566,6 +567,36 @@ def test_a_dead_record_process_turns_snapshots_off_and_the_stream_goes_on():
         assert [int.from_bytes(m[2], "big") for m in replay[:-1]] == [0, 1, 2]
     finally:
         pub.shutdown()
+
+
+def test_a_record_process_outlives_no_dead_publisher():
+    """A publisher killed without shutdown: its record process exits and
+    removes the IPC directory, so nothing is left in the temp directory."""
+    code = (
+        "import os, sys, time\n"
+        "os.environ['VLLM_HOST_IP'] = '127.0.0.1'\n"
+        "from vllm.distributed.kv_events import ZmqEventPublisher\n"
+        "ZmqEventPublisher(0, endpoint='tcp://*:0', replay_endpoint='tcp://*:0')\n"
+        "print('up', flush=True)\n"
+        "sys.stdin.read()\n"
+        "os._exit(0)\n"
+    )
+    engine = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "up\n"
+        (child,) = psutil.Process(engine.pid).children()
+        config = json.loads(child.cmdline()[-1])
+        ipc_dir = os.path.dirname(config["channel"].removeprefix("ipc://"))
+        assert os.path.isdir(ipc_dir)
+    finally:
+        engine.communicate("", timeout=60)
+    child.wait(10)
+    assert not os.path.exists(ipc_dir)
 
 
 def test_shutdown_stops_the_record_process():
