@@ -569,6 +569,78 @@ def test_a_dead_record_process_turns_snapshots_off_and_the_stream_goes_on():
         pub.shutdown()
 
 
+def _one_block_store(block_hash: int, tokens: int) -> KVEventBatch:
+    """A batch of one block of ``tokens`` tokens, 5 bytes each encoded."""
+    return KVEventBatch(
+        ts=0.0,
+        events=[
+            BlockStored(
+                block_hashes=[block_hash],
+                parent_block_hash=None,
+                token_ids=list(range(1 << 20, (1 << 20) + tokens)),
+                block_size=tokens,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=0,
+            )
+        ],
+    )
+
+
+def test_a_record_process_that_falls_behind_is_stopped_and_the_stream_goes_on():
+    """One that stops reading (stopped here, as a starved one is) is
+    stopped once the publisher has written its ring's worth of batches past
+    it: the ring bounds what waits for it. Live and replay go on."""
+    pub = publisher()
+    child = _record_process()
+    try:
+        _stores(pub, (1,))
+        recorded_status(pub, 1)
+        child.suspend()
+        batch = _one_block_store(2, 200_000)
+        size = len(msgspec.msgpack.encode(batch))
+        behind = kv_events_record.RecordProcess.RING_BYTES // size + 2
+        for _ in range(behind):
+            pub.publish(batch)
+        deadline = time.monotonic() + 30
+        while (status := recorded_status(pub, 1))["snapshot"]["enabled"]:
+            assert time.monotonic() < deadline, "status still says enabled"
+            time.sleep(0.05)
+        assert "fell more than" in status["snapshot"]["reason"]
+        child.wait(10)
+        _stores(pub, (3,))
+        last = recorded_status(pub, behind + 2)["next_seq"] - 1
+        replay = ask(pub, b"", last.to_bytes(8, "big"))
+        assert [int.from_bytes(m[2], "big") for m in replay[:-1]] == [last]
+    finally:
+        if child.is_running():
+            child.resume()
+        pub.shutdown()
+
+
+def test_a_batch_too_large_for_the_ring_still_reaches_the_record():
+    """A batch over RecordProcess.INLINE_ABOVE bytes goes in the channel's
+    message instead of the ring, in its place among the others."""
+    pub = publisher()
+    try:
+        inline_above = kv_events_record.RecordProcess.INLINE_ABOVE
+        big = _one_block_store(7, inline_above // 5 + 1)
+        assert len(msgspec.msgpack.encode(big)) > inline_above
+        for batch in (KVEventBatch(ts=0.0, events=[stored([1])]), big):
+            pub.publish(batch)
+        _stores(pub, (2,))
+        assert recorded_status(pub, 3)["snapshot"]["held_keys"] == 3
+        messages = ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"}))
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        events = [e for m in messages[:-1] for e in decoder.decode(m[3]).events]
+        stores = {e.block_hashes[0]: e for e in events if isinstance(e, BlockStored)}
+        assert stores.keys() == {1, 2, 7}
+        assert stores[7] == big.events[0]
+    finally:
+        pub.shutdown()
+
+
 def test_a_record_process_outlives_no_dead_publisher():
     """A publisher killed without shutdown: its record process exits and
     removes the IPC directory, so nothing is left in the temp directory."""
