@@ -28,6 +28,12 @@ which has the engine's requirements. It writes ``snapshot.json``:
   repeats against its second); the load average is recorded.
 * ``apply_cpu_us_per_batch`` (per scenario): what the record process does
   per batch, alone: decode it and ``KVEventRecord.apply`` (thread CPU).
+* ``handoff_cpu_us_per_batch`` (per scenario): what the publisher thread
+  does per batch for the record, alone: ``RecordProcess.put`` (the copy
+  into the ring, a share of the message that announces a chunk), thread
+  CPU, with a record process following on the other core; medians over
+  ``HANDOFF_REPEATS``. Unlike the live ratio it leaves out the ZMQ I/O
+  thread and the publisher loop's other record work, and it is steadier.
 * ``memory``: bytes per held key (tracemalloc) of the record process's
   record, the decoded announcing stores included (it keeps them alive).
 * ``snapshot``: for 1k, 10k and 100k held keys, the time from a snapshot
@@ -288,6 +294,42 @@ def publish_time(
         pub.shutdown()
 
 
+HANDOFF_REPEATS = 5
+
+
+def handoff_us(warm: list[bytes], payloads: list[bytes]) -> list[float]:
+    """The publisher thread's CPU per batch in ``RecordProcess.put`` over
+    ``payloads``, ``warm`` put first (untimed), per repeat, each with a
+    record process of its own."""
+    samples = []
+    ctx = zmq.Context()
+    try:
+        for _ in range(HANDOFF_REPEATS):
+            handoff = kv_events_record.RecordProcess(
+                ctx,
+                RECORD_SCHEMA,
+                copy_semantics="logical",
+                max_keys=1_000_000,
+                keys_per_batch=1024,
+                buffer_steps=1000,
+                data_parallel_rank=0,
+            )
+            try:
+                psutil.Process(handoff.process.pid).cpu_affinity(OTHER_CORES)
+                for seq, payload in enumerate(warm):
+                    handoff.put(seq, payload)
+                start = time.thread_time()
+                for seq, payload in enumerate(payloads, len(warm)):
+                    handoff.put(seq, payload)
+                handoff.send_batches()
+                samples.append((time.thread_time() - start) / len(payloads) * 1e6)
+            finally:
+                handoff.close(10)
+    finally:
+        ctx.term()
+    return samples
+
+
 def scenario(held: int, restore: float, repeats: int, n_batches: int) -> dict[str, Any]:
     stream = Stream(0, held, restore)
     warm = stream.fill()
@@ -328,6 +370,7 @@ def scenario(held: int, restore: float, repeats: int, n_batches: int) -> dict[st
     for payload in payloads:
         record.apply(decoder.decode(payload).events)
     apply_us = (time.thread_time() - start) / len(batches) * 1e6
+    handoff = handoff_us([msgspec.msgpack.encode(b) for b in warm], payloads)
     removed = sum(isinstance(e, BlockRemoved) for b in batches for e in b.events)
     stored = sum(isinstance(e, BlockStored) for b in batches for e in b.events)
     return {
@@ -345,6 +388,8 @@ def scenario(held: int, restore: float, repeats: int, n_batches: int) -> dict[st
         "wall_spread_first_half_over_second": spread(times),
         "cpu_spread_first_half_over_second": spread(cpu),
         "apply_cpu_us_per_batch": apply_us,
+        "handoff_cpu_us_per_batch": statistics.median(handoff),
+        "handoff_cpu_us_samples": handoff,
         "record_process_cpu_us_per_batch": statistics.median(record_cpu)
         / len(batches)
         * 1e6,

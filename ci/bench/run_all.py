@@ -463,6 +463,20 @@ def snapshot_section(sn: dict[str, Any]) -> list[str]:
         f"{sn['memory']['keys']:,} keys, the decoded announcing stores "
         "included).",
         "",
+        "The publisher thread's own work for the record, alone "
+        "(`RecordProcess.put`: the copy into the ring and a share of the "
+        "message that announces a chunk; thread CPU, with a record process "
+        "following on the other core, medians over "
+        f"{len(any_scenario['handoff_cpu_us_samples'])} repeats): "
+        + ", ".join(
+            f"{sc['handoff_cpu_us_per_batch']:.2f} µs ({name}: "
+            f"{sc['handoff_cpu_us_per_batch'] / sc['cpu_us_per_batch']['off']:.1%} "
+            "of the record-off process CPU per batch)"
+            for name, sc in live.items()
+        )
+        + ". The live ratio's spread (the table) shows how far this "
+        "machine's noise reaches.",
+        "",
         "Snapshots: request to end message at the consumer, and the longest "
         "delay from `publish` to a SUB socket of a live batch published every "
         "millisecond while the snapshot is sent, against as long a span "
