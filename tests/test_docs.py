@@ -239,18 +239,20 @@ def test_recovery_cost_is_the_reports() -> None:
     m = quoted(
         r"a snapshot of ([\d,]+) held keys takes ([\d,]+) ms from request to "
         r"end, delays no live batch more than ([\d.]+) ms \(([\d.]+) ms "
-        r"without a snapshot\), and its record costs ([\d,]+) bytes per held key"
+        r"without a snapshot\), and its record costs at most ([\d,]+) bytes per "
+        r"held key"
     )
+    per_key = max(m["bytes_per_key"] for m in bench["memory"].values())
     assert m.groups() == (
         f"{largest['held_keys']:,}",
         f"{largest['request_to_end_ms']:,.0f}",
         f"{largest['live_delay_max_ms']:.1f}",
         f"{largest['live_delay_max_without_ms']:.1f}",
-        f"{bench['memory']['bytes_per_key']:,.0f}",
+        f"{per_key:,.0f}",
     )
     # The default cap's memory at that cost per key, in the protocol doc.
     m = quoted(r"the default cap of 1,000,000 keys is about ([\d.]+) GB")
-    assert m[1] == f"{bench['memory']['bytes_per_key'] * 1e6 / 1e9:.1f}"
+    assert m[1] == f"{per_key * 1e6 / 1e9:.1f}"
     runs = json.loads((ROOT / "docs/cpu-server/snapshot-recovery.json").read_text())
     (ours,) = [r for r in runs if r["label"] == "overlay"]
     late = ours["consumers"]["late"]

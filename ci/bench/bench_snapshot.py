@@ -34,12 +34,22 @@ which has the engine's requirements. It writes ``snapshot.json``:
   CPU, with a record process following on the other core; medians over
   ``HANDOFF_REPEATS``. Unlike the live ratio it leaves out the ZMQ I/O
   thread and the publisher loop's other record work, and it is steadier.
-* ``memory``: bytes per held key (tracemalloc) of the record process's
-  record, the decoded announcing stores included (it keeps them alive).
-* ``snapshot``: for 1k, 10k and 100k held keys, the time from a snapshot
-  request to its end message at the consumer over ZMQ, and the longest
-  delay from ``publish`` to a SUB socket of a live batch published every
-  millisecond meanwhile, against as long a span without a snapshot.
+* ``memory``: bytes per held key of a real record process (its USS holding
+  the keys, less a control's fed the same stores with every block
+  evicted), per ``MEMORY_PATTERNS``: 100,000 and 1,000,000 keys stored in
+  runs of 512 blocks of 16 tokens, and 2,000 such stores (20,000 of 64)
+  with all but each store's head evicted; goal ``MEMORY_GOAL``.
+* ``snapshot``: for 1k, 10k, 100k and 1M held keys, the time from a
+  snapshot request to its end message at the consumer over ZMQ, and the
+  longest delay from ``publish`` to a SUB socket of a live batch published
+  every millisecond meanwhile, against as long a span without a snapshot;
+  goal: 1M's time at most ``SNAPSHOT_GROWTH_GOAL`` times 100k's.
+* ``clients``: what 20 clients that ask (a snapshot and a whole replay
+  each) and never read add to the engine's process, at its peak;
+  goal ``CLIENTS_GOAL_MIB``.
+* ``flood``: the live stream's p99 delay while a client sends the largest
+  request the replay socket accepts as fast as it can; goal
+  ``FLOOD_GOAL_MS``.
 
 The import-time heap is frozen out of the garbage collector first, as
 ``EngineCore`` does after start-up.
@@ -58,7 +68,6 @@ import statistics
 import subprocess
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +75,7 @@ import benchlib  # noqa: F401  (puts ci/ on sys.path, for overlay_harness)
 import msgspec
 import psutil
 import zmq
-from vllm.distributed import kv_events_record
+from vllm.distributed import kv_events_answers, kv_events_record
 from vllm.distributed.kv_events import (
     RECORD_SCHEMA,
     AllBlocksCleared,
@@ -86,6 +95,10 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 GOAL = 1.10  # record on / off, process CPU, on the live publish path
+MEMORY_GOAL = 400  # record bytes per held key of 16 tokens, every pattern
+SNAPSHOT_GROWTH_GOAL = 12  # 1,000,000 keys' snapshot time over 100,000's
+CLIENTS_GOAL_MIB = 64  # what 20 clients that never read add to the engine
+FLOOD_GOAL_MS = 10.0  # p99 live delay under a flood of the largest requests
 # The engine's process (this one) runs on the first core, the router's
 # reader and the record process (at nice 10, as it sets itself) on the
 # others, in both modes: as on a server, the engine's process does not
@@ -311,7 +324,6 @@ def handoff_us(warm: list[bytes], payloads: list[bytes]) -> list[float]:
                 copy_semantics="logical",
                 max_keys=1_000_000,
                 keys_per_batch=1024,
-                buffer_steps=1000,
                 data_parallel_rank=0,
             )
             try:
@@ -404,24 +416,67 @@ def live(repeats: int, n_batches: int) -> dict[str, Any]:
     }
 
 
-def memory(keys: int) -> dict[str, Any]:
-    """Bytes per held key of the record process's record: its dict entries
-    and the decoded stores they keep alive."""
-    stream = Stream(1)
-    payload = msgspec.msgpack.encode(
-        KVEventBatch(ts=0.0, events=stream.stores(keys // RUN))
-    )
-    decoder = child_decoder()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    record = KVEventRecord("logical", CHILD_SCHEMA)
-    record.apply(decoder.decode(payload).events)
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
+# name: (stores, blocks per store, blocks of each store kept: all or 1)
+MEMORY_PATTERNS = {
+    "plain_100k": (100_000 // 512, 512, 512),
+    "plain_1m": (1_000_000 // 512, 512, 512),
+    # What LRU leaves of finished requests: each store's head block (issue
+    # 40's measurement: 2,000 stores of 512 blocks).
+    "head_survivors": (2_000, 512, 1),
+    "head_survivors_20k": (20_000, 64, 1),
+}
+
+
+def record_memory(stores: int, blocks: int, kept: int) -> dict[str, Any]:
+    """Bytes per held key of a real record process, once it holds the
+    keys: its unique memory (USS) less that of a control record process fed
+    the same stores with every block evicted (what the process spends on
+    decoding them, once, and holds for no key). The record lives there
+    only; the ring both processes map is a fixed RING_BYTES of shared
+    memory, which RSS counts in each once batches have passed through it
+    (``rss_*`` give it)."""
+    held, control = (_record_uss(stores, blocks, k) for k in (kept, 0))
     return {
-        "keys": record.num_keys,
-        "bytes_per_key": (after - before) / record.num_keys,
+        "stores": stores,
+        "blocks_per_store": blocks,
+        "held_keys": held["held_keys"],
+        "uss_mib": held["uss_mib"],
+        "control_uss_mib": control["uss_mib"],
+        "rss_mib": held["rss_mib"],
+        "bytes_per_key": (held["uss_mib"] - control["uss_mib"])
+        * 2**20
+        / held["held_keys"],
     }
+
+
+def _record_uss(stores: int, blocks: int, kept: int) -> dict[str, Any]:
+    """The record process's memory once it has applied ``stores`` stores of
+    ``blocks`` blocks with all but ``kept`` of each evicted at once."""
+    pub = ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    try:
+        recorder = record_process()
+        assert recorder is not None, "the publisher started no record process"
+        stream = Stream(3)
+        for _ in range(stores):
+            hashes: list[ExternalBlockHash] = list(
+                range(stream.next_hash, stream.next_hash + blocks)
+            )
+            stream.next_hash += blocks
+            events: list[Event] = [stream.run(hashes)]
+            if kept < blocks:
+                events.append(
+                    BlockRemoved(block_hashes=hashes[kept:], medium="GPU", group_idx=0)
+                )
+            pub.publish(KVEventBatch(ts=time.time(), events=events))
+        await_record(pub, recorder, stores)
+        memory = recorder.memory_full_info()
+        return {
+            "held_keys": status(pub)["snapshot"]["held_keys"],
+            "uss_mib": memory.uss / 2**20,
+            "rss_mib": memory.rss / 2**20,
+        }
+    finally:
+        pub.shutdown()
 
 
 def live_delays(
@@ -470,6 +525,122 @@ def live_delays(
     return delays, end, ended
 
 
+def clients_that_never_read(clients: int, keys: int = 200_000) -> dict[str, Any]:
+    """What ``clients`` clients that ask and never read add to the engine's
+    process (this one): each asks for a snapshot of ``keys`` keys and a
+    replay of the whole buffer, with a one-message receive queue and a 4 KiB
+    receive buffer; the process's RSS sampled every 0.1 s until they have
+    been cut off (ReplayAnswers.STALL_S) and 3 s more, its peak less its
+    RSS before."""
+    pub = ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    dealers: list[zmq.Socket[bytes]] = []
+    try:
+        recorder = record_process()
+        stream = Stream(4)
+        batches = -(-keys // (RUN * 16))
+        for _ in range(batches):
+            pub.publish(KVEventBatch(ts=time.time(), events=stream.stores(16)))
+        await_record(pub, recorder, batches)
+        gc.collect()
+        me = psutil.Process()
+        before = me.memory_info().rss
+        replay = pub.get_publisher_config().replay_endpoint
+        assert replay is not None  # bound above
+        for _ in range(clients):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVHWM, 1)
+            dealer.setsockopt(zmq.RCVBUF, 4096)
+            dealer.connect(replay)
+            dealer.send_multipart((b"", msgspec.msgpack.encode({"op": "snapshot"})))
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            dealers.append(dealer)
+        peak = before
+        until = time.monotonic() + kv_events_answers.ReplayAnswers.STALL_S + 3
+        while time.monotonic() < until:
+            peak = max(peak, me.memory_info().rss)
+            time.sleep(0.1)
+    finally:
+        for dealer in dealers:
+            dealer.close(linger=0)
+        pub.shutdown()
+    return {
+        "clients": clients,
+        "held_keys": keys,
+        "added_mib": (peak - before) / 2**20,
+        "goal_mib": CLIENTS_GOAL_MIB,
+    }
+
+
+_FLOODER = """
+import sys, time, msgspec, zmq
+endpoint, seconds, size = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+pad = size
+while len(frame := msgspec.msgpack.encode({"op": "status", "pad": "x" * pad})) > size:
+    pad -= 1
+assert len(frame) == size, len(frame)
+dealer = zmq.Context().socket(zmq.DEALER)
+dealer.connect(endpoint)
+sent, until = 0, time.monotonic() + seconds
+while time.monotonic() < until:
+    try:
+        dealer.send_multipart((b"", frame), zmq.NOBLOCK)
+        sent += 1
+    except zmq.Again:
+        pass
+    while dealer.poll(0):
+        dealer.recv_multipart()
+print(sent)
+"""
+
+
+def request_flood(seconds: float) -> dict[str, Any]:
+    """The live stream's delay (a batch every millisecond, publish to a SUB
+    socket) while a client in another process sends the largest request
+    the socket accepts (a padded status request) as fast as it can, and
+    for as long without it."""
+    pub = ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sub: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.get_publisher_config().endpoint)
+    try:
+        while not live_delays(pub, sub, 0.05)[0]:
+            pass
+        quiet = live_delays(pub, sub, seconds)[0]
+        flooder = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _FLOODER,
+                str(pub.get_publisher_config().replay_endpoint),
+                str(seconds),
+                str(ZmqEventPublisher.REQUEST_MAX_BYTES),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        psutil.Process(flooder.pid).cpu_affinity(OTHER_CORES)
+        flooded = live_delays(pub, sub, seconds)[0]
+        sent = int(flooder.communicate(timeout=60)[0])
+    finally:
+        sub.close(linger=0)
+        pub.shutdown()
+
+    def p99(delays: list[float]) -> float:
+        return statistics.quantiles(delays, n=100)[98] * 1e3
+
+    return {
+        "seconds": seconds,
+        "request_bytes": ZmqEventPublisher.REQUEST_MAX_BYTES,
+        "requests_sent": sent,
+        "live_p99_ms": p99(flooded),
+        "live_max_ms": max(flooded) * 1e3,
+        "live_p99_without_ms": p99(quiet),
+        "goal_p99_ms": FLOOD_GOAL_MS,
+    }
+
+
 def snapshot(keys: int, repeats: int) -> dict[str, Any]:
     """Snapshots of ``keys`` held keys: request to end message, and the
     longest delay of a live batch (one a millisecond) while one is sent,
@@ -479,7 +650,7 @@ def snapshot(keys: int, repeats: int) -> dict[str, Any]:
     assert recorder is not None, "the publisher started no record process"
     recorder.cpu_affinity(OTHER_CORES)
     stream = Stream(2)
-    for _ in range(-(-keys // (RUN * 16))):
+    for _ in range(keys // (RUN * 16)):
         pub.publish(KVEventBatch(ts=time.time(), events=stream.stores(16)))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
@@ -495,9 +666,7 @@ def snapshot(keys: int, repeats: int) -> dict[str, Any]:
         # Until the subscription has landed and the record holds the fill.
         while not live_delays(pub, sub, 0.05)[0]:
             pass
-        sent = status(pub)["next_seq"]
-        while status(pub)["snapshot"]["next_seq"] < sent:
-            time.sleep(0.01)
+        await_record(pub, recorder, status(pub)["next_seq"])
         for _ in range(repeats):
             start = time.perf_counter()
             dealer.send_multipart((b"", request))
@@ -546,8 +715,17 @@ def main(argv: list[str] | None = None) -> int:
         "other_cores": OTHER_CORES,
         "live": live(args.repeats, args.batches),
         "load_average_after": os.getloadavg(),
-        "memory": memory(100_000),
-        "snapshot": [snapshot(n, 5) for n in (1_000, 10_000, 100_000)],
+        "memory": {
+            name: record_memory(*pattern) for name, pattern in MEMORY_PATTERNS.items()
+        },
+        "goal_bytes_per_key": MEMORY_GOAL,
+        "snapshot": [
+            snapshot(n, 5 if n < 1_000_000 else 3)
+            for n in (1_000, 10_000, 100_000, 1_000_000)
+        ],
+        "goal_snapshot_1m_over_100k": SNAPSHOT_GROWTH_GOAL,
+        "clients": clients_that_never_read(20),
+        "flood": request_flood(5.0),
     }
     path = args.out / "snapshot.json"
     tmp = path.with_suffix(".json.tmp")

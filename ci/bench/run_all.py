@@ -458,10 +458,9 @@ def snapshot_section(sn: dict[str, Any]) -> list[str]:
         "The record process's CPU per batch while it follows the same stream "
         f"(record on): {per_scenario('record_process_cpu_us_per_batch')}; "
         "its decode and `KVEventRecord.apply` alone: "
-        f"{per_scenario('apply_cpu_us_per_batch')}. Its memory: "
-        f"{sn['memory']['bytes_per_key']:.0f} bytes per held key (tracemalloc, "
-        f"{sn['memory']['keys']:,} keys, the decoded announcing stores "
-        "included).",
+        f"{per_scenario('apply_cpu_us_per_batch')}.",
+        "",
+        *record_memory_table(sn),
         "",
         "The publisher thread's own work for the record, alone "
         "(`RecordProcess.put`: the copy into the ring and a share of the "
@@ -494,7 +493,68 @@ def snapshot_section(sn: dict[str, Any]) -> list[str]:
             f"| {', '.join(f'{t:.1f}' for t in r['live_delay_max_ms_all'])} "
             f"| {r['live_delay_max_without_ms']:.1f} |"
         )
+    growth = snapshot_growth(sn)
+    goal = sn["goal_snapshot_1m_over_100k"]
+    clients, flood = sn["clients"], sn["flood"]
+    out += [
+        "",
+        f"A snapshot of the largest record takes {growth:.1f} times as long as "
+        f"one of a tenth of its keys (goal <= {goal}: "
+        f"{'met' if growth <= goal else 'not met'}).",
+        "",
+        "Clients the engine does not trust: "
+        f"{clients['clients']} clients that each ask for a snapshot of "
+        f"{clients['held_keys']:,} keys and a replay of the whole buffer and "
+        "never read (a one-message receive queue, a 4 KiB receive buffer) "
+        f"added {clients['added_mib']:.1f} MiB to the engine's process at its "
+        f"peak, until they were cut off (goal <= {clients['goal_mib']} MiB: "
+        f"{'met' if clients['added_mib'] <= clients['goal_mib'] else 'not met'}). "
+        f"A client sending {flood['requests_sent']:,} requests of "
+        f"{flood['request_bytes']:,} bytes, the largest the socket accepts, in "
+        f"{flood['seconds']:g} s delayed live batches (one a millisecond) "
+        f"{flood['live_p99_ms']:.1f} ms at p99 (max {flood['live_max_ms']:.1f} "
+        f"ms) against {flood['live_p99_without_ms']:.1f} ms without it "
+        f"(goal <= {flood['goal_p99_ms']:g} ms: "
+        f"{'met' if flood['live_p99_ms'] <= flood['goal_p99_ms'] else 'not met'}).",
+    ]
     return [*out, ""]
+
+
+def snapshot_growth(sn: dict[str, Any]) -> float:
+    """The largest snapshot's time over the time of the one of a tenth of
+    its keys (both in the report)."""
+    by_keys: dict[int, float] = {
+        r["held_keys"]: r["request_to_end_ms"] for r in sn["snapshot"]
+    }
+    largest = max(by_keys)
+    tenth = min(by_keys, key=lambda keys: abs(keys - largest / 10))
+    return by_keys[largest] / by_keys[tenth]
+
+
+def record_memory_table(sn: dict[str, Any]) -> list[str]:
+    """The record process's memory per held key, per pattern."""
+    goal = sn["goal_bytes_per_key"]
+    out = [
+        "The record's memory, per held key: a real record process's unique "
+        "memory (USS) holding the keys, less a control's fed the same stores "
+        "with every block evicted (its one-off cost of decoding them). RSS "
+        "also counts the 64 MiB ring the record process shares with the "
+        f"engine's, once batches have passed through it. Goal <= {goal} bytes "
+        "per key of 16 tokens in every pattern.",
+        "",
+        "| pattern | stores x blocks | held keys | USS, MiB | control USS, MiB "
+        "| bytes per key | goal | RSS, MiB |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for name, m in sn["memory"].items():
+        met = "met" if m["bytes_per_key"] <= goal else "not met"
+        out.append(
+            f"| {name} | {m['stores']:,} x {m['blocks_per_store']} "
+            f"| {m['held_keys']:,} | {m['uss_mib']:.1f} "
+            f"| {m['control_uss_mib']:.1f} | {m['bytes_per_key']:.0f} | {met} "
+            f"| {m['rss_mib']:.0f} |"
+        )
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -852,8 +912,11 @@ def summary_section(
                     f"({'met' if sc['cpu_ratio_on_over_off'] <= goal else 'not met'})"
                     for name, sc in live.items()
                 )
-                + f"; memory {snapshot['memory']['bytes_per_key']:.0f} bytes per "
-                "held key",
+                + "; memory "
+                + ", ".join(
+                    f"{m['bytes_per_key']:.0f}" for m in snapshot["memory"].values()
+                )
+                + " bytes per held key by pattern",
             ),
             (
                 f"snapshot of {largest['held_keys']:,} held keys, request to end",

@@ -668,16 +668,19 @@ class Follower:
 
     def _busy(self, waited: int) -> bool:
         """After a snapshot refusal: if the publisher's snapshots are on (it
-        was busy) and fewer than ``BUSY_RETRIES`` pauses were taken, pause
-        (``BUSY_WAIT_S`` doubling, with jitter), keeping the live batches
-        that arrive, and return True."""
+        was busy) or its record is stalled (it comes back by itself), and
+        fewer than ``BUSY_RETRIES`` pauses were taken, pause (``BUSY_WAIT_S``
+        doubling, with jitter), keeping the live batches that arrive, and
+        return True."""
         status = self.status()
+        snapshot = status["snapshot"] if status else {}
         if waited >= self.BUSY_RETRIES or not (
-            status and status["snapshot"]["enabled"]
+            snapshot.get("enabled") or snapshot.get("stalled")
         ):
             return False
         pause = self.BUSY_WAIT_S * 2**waited * random.uniform(0.8, 1.2)
-        self.anomaly(f"snapshot refused, busy: asking again in {pause:.1f} s")
+        why = "stalled" if snapshot.get("stalled") else "busy"
+        self.anomaly(f"snapshot refused, {why}: asking again in {pause:.1f} s")
         until = time.monotonic() + pause
         while (left := until - time.monotonic()) > 0:
             self.poll(min(left, 0.1))

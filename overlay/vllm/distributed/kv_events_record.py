@@ -115,13 +115,15 @@ def schema_from_spec(spec: dict[str, Any]) -> RecordSchema:
 _Tier = tuple[str | None, int | None]
 # A block hash as the stream carries it (vLLM's ExternalBlockHash).
 _Hash = bytes | int
-# A held key's own fields, all a snapshot re-announces it with: (its
-# tokens, its parent's hash, the store's shared fields), with (its extra
-# keys, its lookahead tokens) after them where its store had either. Tokens
-# are packed 4 bytes each where they fit (a tuple where not); the shared
-# fields are one tuple per distinct value, shared by every key stored with
-# it. A key never keeps another key's tokens, so the record's memory is
-# bounded by its held keys, whatever the stores were.
+# A held key's own fields, all a snapshot re-announces it with. Most keys
+# are (blob, shared): the blob packs its parent's hash (8 bytes after a 1,
+# or a lone 0 where it has none) and its block's tokens (4 bytes each);
+# shared is the tuple of its store's shared fields, one tuple for every
+# store in a row with the same ones. A key whose parent hash or tokens do
+# not fit, or whose store had extra keys or lookahead tokens, is (tokens,
+# parent, shared, extra keys, lookahead tokens). A key never keeps another
+# key's tokens, so the record's memory is bounded by its held keys, whatever
+# the stores were.
 _Entry = tuple[Any, ...]
 
 # The per-block fields of BlockStored (one entry per block hash), besides
@@ -129,26 +131,49 @@ _Entry = tuple[Any, ...]
 # every block of a store. A schema without one of them (vLLM 0.32.0 has no
 # lookahead tokens) simply has none.
 _PER_BLOCK = ("token_ids", "extra_keys", "lookahead_token_ids")
-# In an _Entry: the store's field was None (not: its entry for this block
-# was None).
+# In a long _Entry: the store's field was None (not: its entry for this
+# block was None).
 _ABSENT: Any = object()
+_NO_PARENT, _PARENT = b"\x00", b"\x01"
 
 
-def _pack_tokens(token_ids: list[int]) -> Any:
-    try:
-        return array("I", token_ids).tobytes()
-    except OverflowError:  # a negative or a 64-bit token id
-        return tuple(token_ids)
+def _entry(tokens: list[int], parent: Any, shared: tuple, extra: Any, ahead: Any):
+    """A held key's _Entry (see there)."""
+    if extra is _ABSENT and ahead is _ABSENT:
+        try:
+            packed = array("I", tokens).tobytes()
+            if parent is None:
+                return (_NO_PARENT + packed, shared)
+            if type(parent) is int:
+                return (_PARENT + parent.to_bytes(8, "little") + packed, shared)
+        except OverflowError:  # a negative or a 64-bit token id or hash
+            pass
+    return (tuple(tokens), parent, shared, extra, ahead)
 
 
-def _unpack_tokens(packed: Any) -> list[int]:
-    if isinstance(packed, bytes):
-        return array("I", packed).tolist()
-    return list(packed)
+def _parent(entry: _Entry) -> Any:
+    if len(entry) > 2:
+        return entry[1]
+    blob = entry[0]
+    return int.from_bytes(blob[1:9], "little") if blob[0] else None
 
 
-def _num_tokens(packed: Any) -> int:
-    return len(packed) // 4 if isinstance(packed, bytes) else len(packed)
+def _tokens(entry: _Entry) -> list[int]:
+    if len(entry) > 2:
+        return list(entry[0])
+    blob = entry[0]
+    return array("I", blob[9 if blob[0] else 1 :]).tolist()
+
+
+def _shared(entry: _Entry) -> tuple:
+    return entry[1] if len(entry) == 2 else entry[2]
+
+
+def _num_tokens(entry: _Entry) -> int:
+    if len(entry) > 2:
+        return len(entry[0])
+    blob = entry[0]
+    return (len(blob) - (9 if blob[0] else 1)) // 4
 
 
 class KVEventRecord:
@@ -248,23 +273,14 @@ class KVEventRecord:
         parent = event.parent_block_hash
         one = len(hashes) == 1
         for i, block_hash in enumerate(hashes):
-            if block_hash in held:
-                parent = block_hash
-                continue
-            tokens = _pack_tokens(
-                token_ids if one else token_ids[i * size : (i + 1) * size]
-            )
-            if extra_keys is None and lookahead is None:
-                entry: _Entry = (tokens, parent, shared)
-            else:
-                entry = (
-                    tokens,
+            if block_hash not in held:
+                held[block_hash] = _entry(
+                    token_ids if one else token_ids[i * size : (i + 1) * size],
                     parent,
                     shared,
                     _ABSENT if extra_keys is None else extra_keys[i],
                     _ABSENT if lookahead is None else lookahead[i],
                 )
-            held[block_hash] = entry
             parent = block_hash
 
     @staticmethod
@@ -321,7 +337,7 @@ class KVEventRecord:
                 while block_hash in entries and block_hash not in sent:
                     sent.add(block_hash)
                     chain.append(block_hash)
-                    block_hash = entries[block_hash][1]
+                    block_hash = _parent(entries[block_hash])
                 chain.reverse()
                 start = 0
                 while start < len(chain):
@@ -350,12 +366,14 @@ class KVEventRecord:
         """Whether one BlockStored can carry both keys with all their fields:
         the same shared fields and optional fields, and a full parent block
         (a consumer splits the run's tokens by block size)."""
-        shared = parent[2]
-        if len(parent) != len(child) or not (child[2] is shared or child[2] == shared):
+        shared, child_shared = _shared(parent), _shared(child)
+        if len(parent) != len(child) or not (
+            child_shared is shared or child_shared == shared
+        ):
             return False
-        if _num_tokens(parent[0]) != shared[self._block_size_at]:
+        if _num_tokens(parent) != shared[self._block_size_at]:
             return False
-        return len(parent) == 3 or (
+        return len(parent) == 2 or (
             (parent[3] is _ABSENT) == (child[3] is _ABSENT)
             and (parent[4] is _ABSENT) == (child[4] is _ABSENT)
         )
@@ -363,18 +381,18 @@ class KVEventRecord:
     def _stored(self, run: list[_Hash], entries: dict[_Hash, _Entry]) -> Any:
         """One BlockStored for a parent-to-child run of held keys."""
         first = entries[run[0]]
-        fields = dict(zip(self._shared_names, first[2], strict=True))
+        fields = dict(zip(self._shared_names, _shared(first), strict=True))
         token_ids: list[int] = []
         for h in run:
-            token_ids.extend(_unpack_tokens(entries[h][0]))
-        if len(first) == 5:
+            token_ids.extend(_tokens(entries[h]))
+        if len(first) > 2:
             if first[3] is not _ABSENT:
                 fields["extra_keys"] = [entries[h][3] for h in run]
             if first[4] is not _ABSENT:
                 fields["lookahead_token_ids"] = [entries[h][4] for h in run]
         return self._schema.stored(
             block_hashes=list(run),
-            parent_block_hash=first[1],
+            parent_block_hash=_parent(first),
             token_ids=token_ids,
             **fields,
         )
@@ -735,6 +753,10 @@ class _Recorder:
             except Exception as e:
                 raise _Off(f"the snapshot record failed at seq {seq}: {e!r}") from e
             self._next_seq = seq + 1
+            if not (i >> 1) & 31:
+                # A long chunk on a starved core still reports: silence is
+                # what tells the publisher that this process stalled.
+                self._report()
             if self._record.num_keys > self._max_keys:
                 # Exiting frees the record: its memory stays bounded by the cap.
                 raise _Off(

@@ -1,0 +1,1 @@
+../../../../../overlay/vllm/distributed/kv_events_answers.py
