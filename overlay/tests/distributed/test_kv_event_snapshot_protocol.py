@@ -958,11 +958,11 @@ def test_a_stalled_record_is_reported_and_comes_back_by_itself():
 
 @pytest.mark.parametrize("state", ["idle", "busy", "stopped"])
 def test_shutdown_stops_the_record_process(caplog_vllm, state):
-    """Within the publisher's SHUTDOWN_TIMEOUT, whatever the record does: a
-    small idle record, a record of a million keys busy applying a burst of
-    as many, and one that has stopped (as a stuck one does)."""
-    pub = publisher()
+    """Within the publisher's RECORD_EXIT_TIMEOUT_S, whatever the record
+    does: a small idle record, a record of a million keys busy applying a
+    burst of as many, and one that has stopped (as a stuck one does)."""
     keys = 2 if state == "idle" else 1_000_000
+    pub = publisher(snapshot_max_keys=2 * keys)  # the burst stays under it
     sent = _many_keys(pub, keys)
     recorded_status(pub, sent)
     child = _record_process()

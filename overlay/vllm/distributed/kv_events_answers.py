@@ -56,7 +56,8 @@ class _Answer:
     request_id: int | None
     progress_at: float
     cut_off: bool = False
-    sent: int = field(default=0)
+    # Sends tried in the current pump.
+    tries: int = field(default=0)
 
 
 class ReplayAnswers:
@@ -70,7 +71,8 @@ class ReplayAnswers:
     # then waits for room for up to END_WAIT_S more, and is dropped.
     STALL_S = 10.0
     END_WAIT_S = 60.0
-    # Messages sent per pump: a live batch waits at most for these.
+    # Sends tried per pump, whether the client had room or not: a live
+    # batch waits at most for these, however many answers are under way.
     SEND_PER_PUMP = 16
 
     def __init__(
@@ -93,6 +95,17 @@ class ReplayAnswers:
 
     def __len__(self) -> int:
         return len(self._answers)
+
+    def pending(self, client_id: bytes) -> int:
+        """Answers under way to ``client_id``, ends alone included."""
+        return sum(a.client_id == client_id for a in self._answers)
+
+    def carrying_data(self) -> int:
+        """Answers under way with batches to send (replays, snapshots)."""
+        return sum(
+            a.more is not None or bool(a.queued) or a.request_id is not None
+            for a in self._answers
+        )
 
     def start(
         self,
@@ -143,15 +156,15 @@ class ReplayAnswers:
         return None
 
     def pump(self) -> bool:
-        """Send what each client has room for, in turn, up to
-        SEND_PER_PUMP messages; True if some answer could send more now."""
+        """Send what each client has room for, in turn, trying up to
+        SEND_PER_PUMP sends; True if some answer could send more now."""
         budget = self.SEND_PER_PUMP
         now = time.monotonic()
         for _ in range(len(self._answers)):
             answer = self._answers.popleft()
             keep = self._send(answer, now, budget)
-            budget -= answer.sent
-            answer.sent = 0
+            budget -= answer.tries
+            answer.tries = 0
             if keep:
                 self._answers.append(answer)
             if budget <= 0:
@@ -161,10 +174,11 @@ class ReplayAnswers:
     def _send(self, answer: _Answer, now: float, budget: int) -> bool:
         """Send ``answer``'s next messages while its client has room; False
         once it is done or dropped."""
-        while answer.sent < budget:
+        while answer.tries < budget:
             frames = self._next(answer)
             if frames is None:
                 return True  # waiting for the record
+            answer.tries += 1
             try:
                 self._socket.send_multipart((answer.client_id, *frames), zmq.NOBLOCK)
             except zmq.Again:
@@ -174,7 +188,6 @@ class ReplayAnswers:
                     raise
                 self._drop(answer)  # the client is gone
                 return False
-            answer.sent += 1
             answer.progress_at = now
             if frames is answer.end:
                 return False

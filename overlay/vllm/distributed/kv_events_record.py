@@ -553,11 +553,26 @@ class RecordProcess:
         self._consumed = 0
         self.pending: list[int | bytes] = [0]
         self.send_at = 0.0
-        # When the record process last sent anything.
-        self.heard_at = time.monotonic()
+        # When the record process last sent anything; until its first
+        # message, when it started (Python's start-up on a loaded host can
+        # take a while: see silent_s).
+        self.started_at = time.monotonic()
+        self.heard_at: float | None = None
         # What the record process sent while the publisher read its
         # consumed counts, for ``receive``.
         self._inbox = deque[list[bytes]]()
+
+    # The longest a record process may take to start before it counts as
+    # silent.
+    START_GRACE_S = 30.0
+
+    def silent_s(self) -> float:
+        """How long the record process has said nothing (0 while it may
+        still be starting)."""
+        now = time.monotonic()
+        if self.heard_at is None:
+            return max(0.0, now - self.started_at - self.START_GRACE_S)
+        return now - self.heard_at
 
     def put(self, seq: int, payload: bytes) -> None:
         """Hand the record process the batch ``seq``, announced with
@@ -629,8 +644,9 @@ class RecordProcess:
             self._consumed = int.from_bytes(message[1], "big")
 
     def close(self, timeout_s: float) -> None:
-        """Stop the record process, waiting up to ``timeout_s``, and free
-        the channel and the ring. It is killed: it holds nothing to save, a
+        """Stop the record process, waiting up to ``timeout_s`` for it to
+        exit (0: not at all; subprocess reaps it later), and free the
+        channel and the ring. It is killed: it holds nothing to save, a
         large record would take seconds to free object by object, and a
         stopped or stuck one would never read a request to exit."""
         self.process.kill()
@@ -638,12 +654,13 @@ class RecordProcess:
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning(
-                "The KV event record process did not exit within %.1f s of "
-                "SIGKILL (pid %d)",
-                timeout_s,
-                self.process.pid,
-            )
+            if timeout_s:
+                logger.warning(
+                    "The KV event record process did not exit within %.1f s "
+                    "of SIGKILL (pid %d)",
+                    timeout_s,
+                    self.process.pid,
+                )
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._ring.release()
