@@ -157,18 +157,22 @@ class ReplayAnswers:
 
     def pump(self) -> bool:
         """Send what each client has room for, in turn, trying up to
-        SEND_PER_PUMP sends; True if some answer could send more now."""
+        SEND_PER_PUMP sends; True if that ran out while clients took what
+        was sent (more may go now). A client with no room never makes this
+        True: the publisher would spin on it."""
         budget = self.SEND_PER_PUMP
         now = time.monotonic()
+        sent = False
         for _ in range(len(self._answers)):
             answer = self._answers.popleft()
             keep = self._send(answer, now, budget)
             budget -= answer.tries
             answer.tries = 0
+            sent |= answer.progress_at == now
             if keep:
                 self._answers.append(answer)
             if budget <= 0:
-                return True
+                return sent
         return False
 
     def _send(self, answer: _Answer, now: float, budget: int) -> bool:
