@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from typing import Any
 
 import msgspec
 import psutil
@@ -721,19 +722,27 @@ def _status_at(replay_endpoint: str) -> dict:
         dealer.close(linger=0)
 
 
-def test_a_record_process_outlives_no_dead_publisher():
-    """A publisher killed without shutdown: its record process exits, and
-    nothing of theirs is left in the temp directory."""
+def _start_engine(**popen: Any) -> tuple[subprocess.Popen, psutil.Process]:
+    """_ENGINE in a process of its own, once it answers a status request;
+    with its record process."""
     engine = subprocess.Popen(
         [sys.executable, "-c", _ENGINE],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        **popen,
     )
+    assert engine.stdout is not None
+    _status_at(engine.stdout.readline().strip())
+    (child,) = psutil.Process(engine.pid).children()
+    return engine, child
+
+
+def test_a_record_process_outlives_no_dead_publisher():
+    """A publisher killed without shutdown: its record process exits, and
+    nothing of theirs is left in the temp directory."""
+    engine, child = _start_engine()
     try:
-        assert engine.stdout is not None
-        _status_at(engine.stdout.readline().strip())
-        (child,) = psutil.Process(engine.pid).children()
         channel_dir = _channel_dir(child)
     finally:
         engine.communicate("", timeout=60)
@@ -745,17 +754,8 @@ def test_a_record_process_outlives_no_dead_publisher():
 def test_nothing_is_left_when_the_engine_and_its_record_die_together(sig):
     """A container stop or a cgroup kill signals the whole process group:
     the publisher cannot clean up, and neither can its record process."""
-    engine = subprocess.Popen(
-        [sys.executable, "-c", _ENGINE],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    engine, child = _start_engine(start_new_session=True)
     try:
-        assert engine.stdout is not None
-        _status_at(engine.stdout.readline().strip())
-        (child,) = psutil.Process(engine.pid).children()
         channel_dir = _channel_dir(child)
         # Running: the record process has spoken (the publisher then removes
         # the channel's file). Before that, see the next test.
