@@ -398,6 +398,40 @@ class KVEventRecord:
         )
 
 
+class Announcements(KVEventRecord):
+    """The announcement of each key a block pool holds, for a record that
+    must be rebuilt (its process died, fell behind or passed its cap).
+
+    The pool feeds it the BlockStored events it publishes (a key's first
+    one is kept) and names the keys whose last copy left; ``base`` then
+    gives what a new record starts from. Fed by the engine's thread, read
+    there too: ``base`` copies what it holds before it returns.
+    """
+
+    def __init__(self, schema: RecordSchema) -> None:
+        super().__init__("logical", schema)
+
+    def forget(self, medium: str | None, group: int | None, hashes: list[_Hash]) -> None:
+        """The keys ``hashes`` of one tier left the pool."""
+        held = self._held.get((medium, group))
+        if held is not None:
+            for block_hash in hashes:
+                held.pop(block_hash, None)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def base(
+        self, extra_copies: dict[_Tier, dict[_Hash, int]], keys_per_batch: int
+    ) -> Iterator[list[Any]]:
+        """The events that take an empty record to the pool's state, as
+        ``snapshot`` gives them, with ``extra_copies`` more single-key
+        stores per key (under "physical", a key's copies beyond its first).
+        """
+        held = {tier: keys.copy() for tier, keys in self._held.items()}
+        return self._batches(held, extra_copies, keys_per_batch)
+
+
 # The channel between a publisher and its record process, a PAIR socket the
 # record process binds; the first frame of each message names it.
 # Publisher to record: ("batches", msgpack [written, seq, item, seq, item,
@@ -574,13 +608,14 @@ class RecordProcess:
             return max(0.0, now - self.started_at - self.START_GRACE_S)
         return now - self.heard_at
 
-    def put(self, seq: int, payload: bytes) -> None:
+    def put(self, seq: int, payload: bytes, inline: bool = False) -> None:
         """Hand the record process the batch ``seq``, announced with
-        ``CHUNK - 1`` more. Raises RecordBehind if it has not read the
-        ring far enough, zmq.Again if the channel is full, zmq.ZMQError if
-        it fails."""
+        ``CHUNK - 1`` more; ``inline``: in the message, not the ring (a
+        rebuild's base, sent before the process reads anything). Raises
+        RecordBehind if it has not read the ring far enough, zmq.Again if
+        the channel is full, zmq.ZMQError if it fails."""
         size = len(payload)
-        if size > self.INLINE_ABOVE:
+        if inline or size > self.INLINE_ABOVE:
             self.pending += (seq, payload)
         else:
             at, written = _ring_slot(self._written, size)
@@ -778,8 +813,7 @@ class _Recorder:
                 # Exiting frees the record: its memory stays bounded by the cap.
                 raise _Off(
                     f"the record passed kv_events_config.snapshot_max_keys="
-                    f"{self._max_keys} held keys at seq {seq}; snapshots are "
-                    "off until the publisher restarts"
+                    f"{self._max_keys} held keys at seq {seq}"
                 )
         if self._consumed != batches[0]:
             raise _Off(

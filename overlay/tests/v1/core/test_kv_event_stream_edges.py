@@ -20,6 +20,7 @@ keys. Model outputs are made up: no model runs.
 
 import json
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -205,10 +206,11 @@ def make_scheduler(
     policy: str,
     num_gpu_blocks: int = 16,
     cpu_offload_blocks: int | None = None,
+    **kv_events: Any,
 ) -> Scheduler:
     """The real Scheduler with KV events over ZMQ to ``endpoint``; with
     ``cpu_offload_blocks``, the simple CPU offload connector (eager stores)
-    with that many CPU blocks."""
+    with that many CPU blocks; ``kv_events``: more KVEventsConfig fields."""
     kv_transfer_config = (
         KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector",
@@ -238,6 +240,7 @@ def make_scheduler(
             endpoint=endpoint,
             topic="kv-events",
             copy_semantics=policy,
+            **kv_events,
         ),
         # The scheduler runs no model; do not probe for an accelerator.
         device_config=DeviceConfig("cpu"),
