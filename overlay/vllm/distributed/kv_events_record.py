@@ -411,7 +411,9 @@ class Announcements(KVEventRecord):
     def __init__(self, schema: RecordSchema) -> None:
         super().__init__("logical", schema)
 
-    def forget(self, medium: str | None, group: int | None, hashes: list[_Hash]) -> None:
+    def forget(
+        self, medium: str | None, group: int | None, hashes: list[_Hash]
+    ) -> None:
         """The keys ``hashes`` of one tier left the pool."""
         held = self._held.get((medium, group))
         if held is not None:

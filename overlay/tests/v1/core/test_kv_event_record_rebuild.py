@@ -23,15 +23,14 @@ import msgspec
 import psutil
 import pytest
 
+from tests.v1.core import test_kv_event_stream_edges as edges
 from tests.v1.core.test_kv_event_stream_edges import (
     POLICIES,
     make_request,
     make_scheduler,
-    model_dir,  # noqa: F401 (a fixture)
     prompt,
     resident,
     run_to_completion,
-    schedulers,  # noqa: F401 (a fixture)
 )
 from vllm.distributed import kv_events_record
 from vllm.distributed.kv_events import (
@@ -46,6 +45,10 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external
 from vllm.v1.core.sched.scheduler import Scheduler
 
 pytestmark = pytest.mark.cpu_test
+
+# The stream-edge tests' fixtures, by the names the tests here take.
+model_dir = edges.model_dir
+schedulers = edges.schedulers
 
 # The issue's promise: back within 10 s of the cause clearing.
 BACK_WITHIN_S = 10.0
@@ -147,11 +150,7 @@ def _record_process() -> psutil.Process:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_killed_record_is_rebuilt_from_the_block_pool(
-    model_dir,  # noqa: F811
-    schedulers,  # noqa: F811
-    policy,
-):
+def test_a_killed_record_is_rebuilt_from_the_block_pool(model_dir, schedulers, policy):
     engine = Engine(schedulers, model_dir, policy)
     engine.serve(30)
     engine.idle_until(engine.snapshots_on, 30)
@@ -190,7 +189,7 @@ def _burst_batch(i: int) -> KVEventBatch:
 BURST_BATCHES = 250_000
 
 
-def test_a_record_behind_a_burst_is_rebuilt(model_dir, schedulers):  # noqa: F811
+def test_a_record_behind_a_burst_is_rebuilt(model_dir, schedulers):
     """The record process is stopped (as a starved one is) while 250,000
     batches go out at full speed: more than its ring holds, so it is
     dropped; it is then rebuilt and a late consumer is exact."""
@@ -217,8 +216,7 @@ def test_a_record_behind_a_burst_is_rebuilt(model_dir, schedulers):  # noqa: F81
 
 
 def test_a_record_past_its_cap_is_rebuilt_once_the_engine_holds_fewer(
-    model_dir,  # noqa: F811
-    schedulers,  # noqa: F811
+    model_dir, schedulers
 ):
     engine = Engine(schedulers, model_dir, "logical", snapshot_max_keys=6)
     engine.serve(30)
@@ -227,9 +225,7 @@ def test_a_record_past_its_cap_is_rebuilt_once_the_engine_holds_fewer(
     assert len(resident(engine.scheduler.kv_cache_manager.block_pool, "GPU")) > 6
     # While the engine holds more, the record stays off, and says why.
     time.sleep(2 * engine.scheduler.kv_event_publisher.RECORD_REBUILD_S)
-    engine.idle_until(
-        lambda: "holds" in (engine.snapshot_status()["reason"] or ""), 10
-    )
+    engine.idle_until(lambda: "holds" in (engine.snapshot_status()["reason"] or ""), 10)
     assert engine.scheduler.reset_prefix_cache()
     run_to_completion(engine.scheduler, [make_request("small", prompt(0, 2))])
     engine.idle_until(engine.snapshots_on, BACK_WITHIN_S)
