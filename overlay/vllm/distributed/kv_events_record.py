@@ -411,14 +411,11 @@ class Announcements(KVEventRecord):
     def __init__(self, schema: RecordSchema) -> None:
         super().__init__("logical", schema)
 
-    def forget(
-        self, medium: str | None, group: int | None, hashes: list[_Hash]
-    ) -> None:
-        """The keys ``hashes`` of one tier left the pool."""
+    def forget(self, medium: str | None, group: int | None, block_hash: _Hash) -> None:
+        """The key ``block_hash`` of one tier left the pool."""
         held = self._held.get((medium, group))
         if held is not None:
-            for block_hash in hashes:
-                held.pop(block_hash, None)
+            held.pop(block_hash, None)
 
     def clear(self) -> None:
         self._held.clear()

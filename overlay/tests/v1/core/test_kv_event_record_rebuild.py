@@ -23,6 +23,7 @@ import msgspec
 import psutil
 import pytest
 
+from tests.distributed.test_kv_event_snapshot_protocol import _one_block_store
 from tests.v1.core import test_kv_event_stream_edges as edges
 from tests.v1.core.test_kv_event_stream_edges import (
     POLICIES,
@@ -36,7 +37,6 @@ from vllm.distributed import kv_events_record
 from vllm.distributed.kv_events import (
     MEDIUM_GPU,
     BlockRemoved,
-    BlockStored,
     KVEventBatch,
 )
 from vllm.distributed.kv_events_consumer import Follower
@@ -149,8 +149,15 @@ def _record_process() -> psutil.Process:
     return child
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_killed_record_is_rebuilt_from_the_block_pool(model_dir, schedulers, policy):
+# Each policy with the default integer hashes, and the bytes hashes of
+# VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 once.
+@pytest.mark.parametrize(
+    "policy,int_hashes", [(p, "1") for p in POLICIES] + [("logical", "0")]
+)
+def test_a_killed_record_is_rebuilt_from_the_block_pool(
+    model_dir, schedulers, monkeypatch, policy, int_hashes
+):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", int_hashes)
     engine = Engine(schedulers, model_dir, policy)
     engine.serve(30)
     engine.idle_until(engine.snapshots_on, 30)
@@ -167,23 +174,11 @@ def _burst_batch(i: int) -> KVEventBatch:
     """A batch that stores a key no request has and removes it at once: it
     leaves every consumer's view as it was, and takes about 300 bytes of
     the record's ring."""
-    block_hash = (1 << 62) + i
-    return KVEventBatch(
-        ts=0.0,
-        events=[
-            BlockStored(
-                block_hashes=[block_hash],
-                parent_block_hash=None,
-                token_ids=list(range(1 << 20, (1 << 20) + 48)),
-                block_size=48,
-                lora_id=None,
-                medium=MEDIUM_GPU,
-                lora_name=None,
-                group_idx=0,
-            ),
-            BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU, group_idx=0),
-        ],
+    batch = _one_block_store((1 << 62) + i, 48)
+    batch.events.append(
+        BlockRemoved(block_hashes=[(1 << 62) + i], medium=MEDIUM_GPU, group_idx=0)
     )
+    return batch
 
 
 BURST_BATCHES = 250_000
