@@ -30,6 +30,25 @@ from vllm_overlay.paths import Layout, default_layout
 REPO = default_layout()
 
 
+def as_maintainer(
+    line: str, cwd: Path, ok: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run a command line a tool printed, in ``cwd``, as a maintainer
+    would paste it: with a git identity of their own (a fresh CI runner's
+    HOME has none, and a printed ``git commit --amend`` needs one)."""
+    result = subprocess.run(
+        line,
+        shell=True,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **GIT_IDENTITY},
+    )
+    if ok:
+        assert result.returncode == 0, f"{line}\n{result.stdout}{result.stderr}"
+    return result
+
+
 def load_bench(name: str) -> ModuleType:
     """``ci/bench/NAME.py``, a script rather than a package module, imported
     under ``name``; registered in ``sys.modules`` first, as its dataclasses

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LINES, REPO, committed_copy, git, make_patch, write_series
+from conftest import (
+    LINES,
+    REPO,
+    as_maintainer,
+    committed_copy,
+    git,
+    make_patch,
+    write_series,
+)
 from vllm_overlay import adopt, apply, gate, rebase, series, workspace
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
@@ -436,11 +444,7 @@ def test_backport_merges_a_changed_patch_into_the_cpu_target(project: Path) -> N
     name = series.read_series(Layout(project).patches)[1]
 
     def sh(line: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            line, shell=True, cwd=project, capture_output=True, text=True
-        )
-        assert result.returncode == 0 or not ok, line + result.stderr
-        return result
+        return as_maintainer(line, project, ok)
 
     sh(f"ci/overlay --target vllm-cpu workspace --upto {name}")
     main_patch = project / "patches" / name

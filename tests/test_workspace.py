@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LINES, REPO, make_patch, set_commit_short, write_series
+from conftest import (
+    LINES,
+    REPO,
+    as_maintainer,
+    make_patch,
+    set_commit_short,
+    write_series,
+)
 from vllm_overlay import apply, series, source, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
@@ -74,12 +81,7 @@ def with_tooling(layout: Layout) -> Layout:
 
 def sh(layout: Layout, command: str, ok: bool = True) -> subprocess.CompletedProcess:
     """Run a printed command line in the checkout, as a maintainer would."""
-    result = subprocess.run(
-        command, shell=True, cwd=layout.root, capture_output=True, text=True
-    )
-    if ok:
-        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
-    return result
+    return as_maintainer(command, layout.root, ok)
 
 
 def hint_commands(next_step: str) -> list[str]:
