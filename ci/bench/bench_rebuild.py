@@ -97,13 +97,15 @@ def rebuild(keys: int) -> dict[str, Any]:
         0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0", snapshot_max_keys=2 * keys
     )
     try:
-        assert pub.rebuild_from(pool.record_base)
+        if not pub.rebuild_from(pool.record_base):
+            raise RuntimeError("the publisher keeps no record to rebuild")
         pub.publish(KVEventBatch(ts=time.time(), events=pool.take_events()))
         while status(pub)["snapshot"]["next_seq"] != 1:
             time.sleep(0.05)
         held = status(pub)["snapshot"]["held_keys"]
         recorder = record_process()
-        assert recorder is not None
+        if recorder is None:
+            raise RuntimeError("the publisher started no record process")
         killed = time.monotonic()
         recorder.kill()
         serve_s: list[float] = []
