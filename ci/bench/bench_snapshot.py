@@ -47,6 +47,12 @@ which has the engine's requirements. It writes ``snapshot.json``:
 * ``clients``: what 20 clients that ask (a snapshot and a whole replay
   each) and never read add to the engine's process, at its peak;
   goal ``CLIENTS_GOAL_MIB``.
+* ``held``: the same for ``HOLDERS`` clients, one connection each, that
+  ask for a replay of ``HOLDER_BATCHES`` batches of about 1 MiB (each
+  could hold the last ``ReplayAnswers.HWM`` + 1 of them) and stay
+  connected after they are cut off, over three rounds of
+  ``ReplayAnswers.STALL_S``: what they add to the engine's process, at its
+  peak, against ``ReplayAnswers.HELD_MAX_BYTES``, their bound in total.
 * ``flood``: the live stream's p99 delay while a client sends the largest
   request the replay socket accepts as fast as it can; goal
   ``FLOOD_GOAL_MS``.
@@ -98,6 +104,8 @@ GOAL = 1.10  # record on / off, process CPU, on the live publish path
 MEMORY_GOAL = 400  # record bytes per held key of 16 tokens, every pattern
 SNAPSHOT_GROWTH_GOAL = 12  # 1,000,000 keys' snapshot time over 100,000's
 CLIENTS_GOAL_MIB = 64  # what 20 clients that never read add to the engine
+HOLDERS = 40  # clients that never read and stay connected
+HOLDER_BATCHES = 32  # of about 1 MiB each, in the buffer they ask for
 FLOOD_GOAL_MS = 10.0  # p99 live delay under a flood of the largest requests
 # The engine's process (this one) runs on the first core, the router's
 # reader and the record process (at nice 10, as it sets itself) on the
@@ -532,31 +540,92 @@ def clients_that_never_read(clients: int, keys: int = 200_000) -> dict[str, Any]
     receive buffer; the process's RSS sampled every 0.1 s until they have
     been cut off (ReplayAnswers.STALL_S) and 3 s more, its peak less its
     RSS before."""
+    stream = Stream(4)
+    batches = [
+        KVEventBatch(ts=time.time(), events=stream.stores(16))
+        for _ in range(-(-keys // (RUN * 16)))
+    ]
+    requests = [msgspec.msgpack.encode({"op": "snapshot"}), (0).to_bytes(8, "big")]
+    added = _added_by_idle_clients(
+        batches, [requests] * clients, kv_events_answers.ReplayAnswers.STALL_S + 3
+    )
+    return {
+        "clients": clients,
+        "held_keys": keys,
+        "added_mib": added / 2**20,
+        "goal_mib": CLIENTS_GOAL_MIB,
+    }
+
+
+def connections_that_hold() -> dict[str, Any]:
+    """What HOLDERS clients that ask for a replay of HOLDER_BATCHES large
+    batches, never read and stay connected add to the engine's process, at
+    its peak, over three rounds of being cut off (the ``held`` above)."""
+    rng = random.Random(0)
+    batches = [
+        KVEventBatch(
+            ts=time.time(),
+            events=[
+                BlockStored(
+                    block_hashes=[seq],
+                    parent_block_hash=None,
+                    # About 1 MiB packed: 2**18 tokens of 3 to 5 bytes.
+                    token_ids=[rng.randrange(2**16, 2**20) for _ in range(2**18)],
+                    block_size=2**18,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                )
+            ],
+        )
+        for seq in range(HOLDER_BATCHES)
+    ]
+    answers = kv_events_answers.ReplayAnswers
+    added = _added_by_idle_clients(
+        batches, [[(0).to_bytes(8, "big")]] * HOLDERS, 3 * answers.STALL_S + 3
+    )
+    batch_bytes = statistics.median(len(msgspec.msgpack.encode(b)) for b in batches)
+    return {
+        "clients": HOLDERS,
+        "batches": HOLDER_BATCHES,
+        "batch_mib": batch_bytes / 2**20,
+        "unbounded_mib": HOLDERS * (answers.HWM + 1) * batch_bytes / 2**20,
+        "added_mib": added / 2**20,
+        "bound_mib": answers.HELD_MAX_BYTES / 2**20,
+    }
+
+
+def _added_by_idle_clients(
+    batches: list[KVEventBatch], requests: list[list[bytes]], seconds: float
+) -> int:
+    """Publish ``batches`` (the record following), then connect a client
+    per entry of ``requests`` that sends those requests and never reads,
+    with a one-message receive queue and a 4 KiB receive buffer; the
+    process's RSS sampled every 0.1 s for ``seconds``: its peak less its
+    RSS before the clients."""
     pub = ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     dealers: list[zmq.Socket[bytes]] = []
     try:
         recorder = record_process()
-        stream = Stream(4)
-        batches = -(-keys // (RUN * 16))
-        for _ in range(batches):
-            pub.publish(KVEventBatch(ts=time.time(), events=stream.stores(16)))
-        await_record(pub, recorder, batches)
+        for batch in batches:
+            pub.publish(batch)
+        await_record(pub, recorder, len(batches))
         gc.collect()
         me = psutil.Process()
         before = me.memory_info().rss
         replay = pub.get_publisher_config().replay_endpoint
         assert replay is not None  # bound above
-        for _ in range(clients):
+        for sent in requests:
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.RCVHWM, 1)
             dealer.setsockopt(zmq.RCVBUF, 4096)
             dealer.connect(replay)
-            dealer.send_multipart((b"", msgspec.msgpack.encode({"op": "snapshot"})))
-            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            for request in sent:
+                dealer.send_multipart((b"", request))
             dealers.append(dealer)
         peak = before
-        until = time.monotonic() + kv_events_answers.ReplayAnswers.STALL_S + 3
+        until = time.monotonic() + seconds
         while time.monotonic() < until:
             peak = max(peak, me.memory_info().rss)
             time.sleep(0.1)
@@ -564,12 +633,7 @@ def clients_that_never_read(clients: int, keys: int = 200_000) -> dict[str, Any]
         for dealer in dealers:
             dealer.close(linger=0)
         pub.shutdown()
-    return {
-        "clients": clients,
-        "held_keys": keys,
-        "added_mib": (peak - before) / 2**20,
-        "goal_mib": CLIENTS_GOAL_MIB,
-    }
+    return int(peak - before)
 
 
 _FLOODER = """
@@ -725,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "goal_snapshot_1m_over_100k": SNAPSHOT_GROWTH_GOAL,
         "clients": clients_that_never_read(20),
+        "held": connections_that_hold(),
         "flood": request_flood(5.0),
     }
     write_report(args.out / "snapshot.json", result)

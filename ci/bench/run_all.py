@@ -495,7 +495,7 @@ def snapshot_section(sn: dict[str, Any]) -> list[str]:
         )
     growth = snapshot_growth(sn)
     goal = sn["goal_snapshot_1m_over_100k"]
-    clients, flood = sn["clients"], sn["flood"]
+    clients, held, flood = sn["clients"], sn["held"], sn["flood"]
     out += [
         "",
         f"A snapshot of the largest record takes {growth:.1f} times as long as "
@@ -509,6 +509,12 @@ def snapshot_section(sn: dict[str, Any]) -> list[str]:
         f"added {clients['added_mib']:.1f} MiB to the engine's process at its "
         f"peak, until they were cut off (goal <= {clients['goal_mib']} MiB: "
         f"{'met' if clients['added_mib'] <= clients['goal_mib'] else 'not met'}). "
+        f"{held['clients']} clients that each ask for a replay of "
+        f"{held['batches']} batches of {held['batch_mib']:.2f} MiB, never read "
+        "and stay connected after they are cut off (unbounded, they could "
+        f"hold {held['unbounded_mib']:.0f} MiB) added {held['added_mib']:.1f} "
+        f"MiB at its peak over three rounds of cut-offs (bound in total: "
+        f"{held['bound_mib']:.0f} MiB). "
         f"A client sending {flood['requests_sent']:,} requests of "
         f"{flood['request_bytes']:,} bytes, the largest the socket accepts, in "
         f"{flood['seconds']:g} s delayed live batches (one a millisecond) "

@@ -119,6 +119,9 @@ def test_malformed_requests_get_an_error_and_live_goes_on():
             (b"", pack({"op": "replay", "start_seq": -1, "epoch": 0})),
             (b"", pack({"op": "replay", "start_seq": 99, "epoch": 0})),
             (pack({"op": "status"}),),  # no empty delimiter frame
+            (b"x", pack({"op": "status"})),  # a first frame that is not empty
+            (b"", pack({"op": "replay", "start_seq": 0, "epoch": "1"})),
+            (b"", pack({"op": "replay", "start_seq": 0, "epoch": -1})),
         ]:
             info = end_info(ask(pub, *frames))
             assert info["status"] == "error" and info["reason"], frames
@@ -901,7 +904,7 @@ def test_errors_and_logs_quote_little_of_a_request(caplog_vllm):
         assert len(info["reason"]) <= 300 and "x" * 300 not in info["reason"]
         epoch = {"op": "replay", "start_seq": 0, "epoch": "y" * 900}
         info = end_info(ask(pub, b"", msgspec.msgpack.encode(epoch)))
-        assert info["status"] == "unavailable" and len(info["reason"]) <= 300
+        assert info["status"] == "error" and len(info["reason"]) <= 300
         assert "x" * 300 not in caplog_vllm.text
     finally:
         pub.shutdown()
@@ -926,6 +929,46 @@ def test_a_client_that_reads_nothing_is_cut_off_and_told_why(monkeypatch):
         # The engine serves the next client whole.
         info = end_info(ask(pub, b"", msgspec.msgpack.encode({"op": "snapshot"})))
         assert info["status"] == "ok" and info["keys"] == 300_000
+    finally:
+        pub.shutdown()
+
+
+def test_what_clients_leave_unread_is_bounded_in_total(monkeypatch):
+    """Clients that ask and never read, each on a connection of its own,
+    are not counted: past HELD_MAX_BYTES of answers unread in the engine
+    (all of them together), answers wait and new ones are refused as busy;
+    once those clients disconnect, whole answers are served again."""
+    monkeypatch.setattr(kv_events_answers.ReplayAnswers, "HELD_MAX_BYTES", 2**20)
+    monkeypatch.setattr(kv_events_answers.ReplayAnswers, "STALL_S", 1.0)
+    pub = publisher()
+    try:
+        sent = _many_keys(pub, 100_000)  # 100 batches of about 30 kB
+        epoch = recorded_status(pub, sent)["epoch"]
+        replay = msgspec.msgpack.encode(
+            {"op": "replay", "start_seq": 0, "epoch": epoch}
+        )
+        slow = [
+            _request(
+                _endpoints(pub)[1],
+                msgspec.msgpack.decode(replay),
+                RCVHWM=1,
+                RCVBUF=4096,
+            )
+            for _ in range(12)
+        ]
+        reasons = []
+        deadline = time.monotonic() + 10
+        while not any("have not read" in r for r in reasons):
+            assert time.monotonic() < deadline, f"never refused as busy: {reasons[-3:]}"
+            info = end_info(ask(pub, b"", replay))
+            reasons.append(info.get("reason") or info["status"])
+        for dealer in slow:
+            dealer.close(linger=0)
+        deadline = time.monotonic() + 10
+        while (info := end_info(messages := ask(pub, b"", replay)))["status"] != "ok":
+            assert time.monotonic() < deadline, f"not served again: {info}"
+            time.sleep(0.1)
+        assert len(messages) == sent + 1
     finally:
         pub.shutdown()
 

@@ -12,11 +12,23 @@ mark): at most ``HWM`` messages wait in the engine for one client, and a
 client that reads nothing for ``STALL_S`` is cut off with an end that says
 why. Every request gets exactly one end, to its own client.
 
+A cut-off client that stays connected still holds what was queued for it,
+and clients are not counted: what all of them together may hold unread is
+bounded by ``HELD_MAX_BYTES``. Each connection counts the last ``HWM`` + 1
+messages sent to it (its queue and the one ZMQ is writing to the kernel)
+until it is seen closed; at the bound, answers wait and new ones are
+refused. A connection is known by its file descriptor (ZMQ's ``SRCFD`` of
+a request) and that socket's inode: once the descriptor is closed or holds
+another socket, the connection is gone. That is checked every ``SWEEP_S``,
+not told by a socket monitor, whose events can arrive after the requests
+of the connection they describe.
+
 This file imports only the standard library and pyzmq (the consumer's wheel
 and the record process stay free of vLLM and torch).
 """
 
 import errno
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -74,6 +86,11 @@ class ReplayAnswers:
     # Sends tried per pump, whether the client had room or not: a live
     # batch waits at most for these, however many answers are under way.
     SEND_PER_PUMP = 16
+    # What every client together may hold unread (counted as above); past
+    # it only ends are sent, which are small and at most HWM a client.
+    HELD_MAX_BYTES = 64 * 2**20
+    # How often the connections counted are checked for closed ones.
+    SWEEP_S = 1.0
 
     def __init__(
         self,
@@ -92,6 +109,15 @@ class ReplayAnswers:
         self._on_sent = on_sent
         self._on_dropped = on_dropped
         self._answers: deque[_Answer] = deque()
+        # Per client, the sizes of the last HWM + 1 messages sent to it, and
+        # its connection, (file descriptor, inode), while it is open.
+        self._held: dict[bytes, deque[int]] = {}
+        self._held_bytes = 0
+        # Whether a message was held back by HELD_MAX_BYTES since a
+        # connection was last let go: new answers wait for that.
+        self._held_back = False
+        self._connection: dict[bytes, tuple[int, int]] = {}
+        self._swept_at = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._answers)
@@ -100,12 +126,38 @@ class ReplayAnswers:
         """Answers under way to ``client_id``, ends alone included."""
         return sum(a.client_id == client_id for a in self._answers)
 
-    def carrying_data(self) -> int:
-        """Answers under way with batches to send (replays, snapshots)."""
-        return sum(
+    def busy(self, max_answers: int) -> str | None:
+        """Why a new answer with batches (a replay, a snapshot) must be
+        refused: ``max_answers`` of them under way, or clients holding
+        HELD_MAX_BYTES unread; None if it may start."""
+        carrying = sum(
             a.more is not None or bool(a.queued) or a.request_id is not None
             for a in self._answers
         )
+        if carrying >= max_answers:
+            return f"busy: {max_answers} answers are under way"
+        if self._held_back:
+            return (
+                f"busy: clients have not read {self._held_bytes / 2**20:.0f} MiB "
+                f"of answers (at most {self.HELD_MAX_BYTES / 2**20:.0f} MiB)"
+            )
+        return None
+
+    def receive(self) -> list[bytes]:
+        """The next request's frames, the client's id first, read one at a
+        time: past the fourth they are dropped as they are read, so a
+        request of many frames is never held whole."""
+        self._sweep()
+        first = self._socket.recv(copy=False)
+        frames = [first.bytes]
+        while self._socket.getsockopt(zmq.RCVMORE):
+            frame = self._socket.recv()
+            if len(frames) < 4:
+                frames.append(frame)
+        # An inproc connection has no descriptor (-1): it is not counted.
+        if (connection := _connection(first.get(zmq.SRCFD))) is not None:
+            self._connection[frames[0]] = connection
+        return frames
 
     def start(
         self,
@@ -160,6 +212,7 @@ class ReplayAnswers:
         SEND_PER_PUMP sends; True if that ran out while clients took what
         was sent (more may go now). A client with no room never makes this
         True: the publisher would spin on it."""
+        self._sweep()
         budget = self.SEND_PER_PUMP
         now = time.monotonic()
         sent = False
@@ -183,6 +236,13 @@ class ReplayAnswers:
             if frames is None:
                 return True  # waiting for the record
             answer.tries += 1
+            size = sum(map(len, frames))
+            if (
+                frames is not answer.end
+                and self._held_bytes + size > self.HELD_MAX_BYTES
+            ):
+                self._held_back = True
+                return self._stalled(answer, now)
             try:
                 self._socket.send_multipart((answer.client_id, *frames), zmq.NOBLOCK)
             except zmq.Again:
@@ -193,6 +253,7 @@ class ReplayAnswers:
                 self._drop(answer)  # the client is gone
                 return False
             answer.progress_at = now
+            self._count(answer.client_id, size)
             if frames is answer.end:
                 return False
             if answer.queued:
@@ -232,7 +293,39 @@ class ReplayAnswers:
         )
         return True
 
+    def _count(self, client_id: bytes, size: int) -> None:
+        if client_id not in self._connection:
+            return  # its connection closed since: ZMQ drops what was sent
+        held = self._held.setdefault(client_id, deque())
+        if len(held) > self.HWM:
+            self._held_bytes -= held.popleft()
+        held.append(size)
+        self._held_bytes += size
+
+    def _sweep(self) -> None:
+        """Every SWEEP_S, let go of the counts of closed connections."""
+        now = time.monotonic()
+        if now - self._swept_at < self.SWEEP_S:
+            return
+        self._swept_at = now
+        for client_id, (fd, inode) in list(self._connection.items()):
+            if _connection(fd) != (fd, inode):
+                del self._connection[client_id]
+                if held := self._held.pop(client_id, None):
+                    self._held_bytes -= sum(held)
+                    self._held_back = False
+
     def _drop(self, answer: _Answer) -> None:
         if answer.request_id is not None:
             self._on_dropped(answer.request_id)
             answer.request_id = None
+
+
+def _connection(fd: int) -> tuple[int, int] | None:
+    """The connection on file descriptor ``fd`` now: the descriptor and its
+    socket's inode (another socket on a reused descriptor has another);
+    None if it is closed."""
+    try:
+        return fd, os.fstat(fd).st_ino
+    except OSError:
+        return None
