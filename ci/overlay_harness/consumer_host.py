@@ -68,7 +68,6 @@ class Consumer:
         self.cut = False
         self.lose = 0
         self.dropped = 0
-        self.unanswered = 0
         self.recovered: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.follower = Linked(endpoint, replay_endpoint)
@@ -82,19 +81,10 @@ class Consumer:
         self._thread.start()
 
     def _run(self) -> None:
-        last_live = time.monotonic()
         while not self._stop.is_set():
             with self.lock:
-                try:
-                    if self.follower.poll(0.02):
-                        last_live = time.monotonic()
-                    elif time.monotonic() - last_live > POLL_S:
-                        self.follower.sync()
-                        last_live = time.monotonic()
-                except self.module.NoReply:
-                    # The server is down (a restart): ask again later.
-                    self.unanswered += 1
-                    last_live = time.monotonic()
+                # Through a restart too: stale while the server is down.
+                self.follower.follow(0.02, POLL_S)
 
     def link(self, cut: bool, lose: int) -> None:
         self.cut, self.lose = cut, lose
@@ -127,7 +117,6 @@ class Consumer:
             "synced": f.synced,
             "snapshot_service": f.snapshots,
             "dropped": self.dropped,
-            "unanswered_status_polls": self.unanswered,
             "applied_batches": f.stats.applied,
             "unknown_removals": {
                 "set": len(f.mirror.set.unknown_removals),

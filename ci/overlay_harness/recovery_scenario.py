@@ -29,8 +29,11 @@ connection or a SUB past its high-water mark.
   by snapshot. A wheel without a record process (the official one) skips
   this;
 - then (``--restart``) the server process is stopped and started again on
-  the same endpoints, and a second load phase runs: every consumer must see
-  the new epoch and recover.
+  the same endpoints, ``DOWN_BEFORE_START_S`` later, and a second load
+  phase runs: every consumer must see the new epoch and recover. The
+  reference CLI, in a process of its own, follows the server from before
+  the stop to the end (``restart`` in the report: how long the server was
+  down, and what the CLI printed meanwhile and after).
 
 After each phase the run quiesces and probes as ``load_scenario`` does;
 each consumer's prediction (its mirror's prefix match, capped as vLLM caps
@@ -86,6 +89,62 @@ GAP_EVERY_S = 1.0
 # How long the killed record may take to be seen off, then to come back.
 RECORD_OFF_WITHIN_S = 10.0
 RECORD_BACK_WITHIN_S = 60.0
+# With --restart, the server stays down this long before it starts again
+# (a start-up takes 40 s or more here): the reference CLI, which follows it
+# throughout, must outlast a restart of over two minutes.
+DOWN_BEFORE_START_S = 90.0
+
+
+class Cli:
+    """The reference CLI in a process of its own (``python -m MODULE``), its
+    state lines kept as they come."""
+
+    def __init__(self, python: str, module: str, endpoint: str, replay: str) -> None:
+        self.process = subprocess.Popen(
+            [python, "-m", module, "--endpoint", endpoint]
+            + ["--replay-endpoint", replay, "--interval", "1"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.states: list[dict[str, Any]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None  # narrows type for mypy
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.states.append(json.loads(line))
+
+    def await_synced(self, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while not (self.states and self.states[-1]["synced"]):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SetupError(f"the reference CLI did not sync: {self.states[-1:]}")
+            time.sleep(0.1)
+
+    def close(self, keys: int) -> dict[str, Any]:
+        """Stop it (SIGTERM); what it showed, against the ``keys`` a
+        subscriber that saw every batch holds."""
+        running = self.process.poll() is None
+        self.process.terminate()
+        exit_code = self.process.wait(30)
+        self._reader.join(10)
+        last = self.states[-1] if self.states else {}
+        return {
+            "running_until_stopped": running,
+            "exit_code": exit_code,
+            "state_lines": len(self.states),
+            "stale_lines": sum(s.get("stale_since") is not None for s in self.states),
+            "synced_epochs": list(
+                dict.fromkeys(s["epoch"] for s in self.states if s["synced"])
+            ),
+            "last": last,
+            "last_set_keys": sum(
+                row.get("set_keys", 0) for row in last.get("tiers", {}).values()
+            ),
+            "witness_keys": keys,
+        }
 
 
 def consumer_module() -> tuple[Any, str]:
@@ -179,6 +238,8 @@ class Recovery:
         self.startup_s: list[float] = []
         self.witness = WitnessTimeline()
         self.record_rebuild: dict[str, Any] | None = None
+        self.restart: dict[str, Any] | None = None
+        self.clis: list[Cli] = []
 
     def start(self) -> tuple[Server, Scenario]:
         self.servers += 1
@@ -195,6 +256,15 @@ class Recovery:
         self.witness.follow(scenario.live)
         scenario.predictors = {n: c.predict for n, c in self.consumers.items()}
         return server, scenario
+
+    def cli(self) -> Cli:
+        """The reference CLI, as the consumers run: in the router's venv
+        (the standalone wheel) or this one."""
+        if self.args.consumer_python is not None:
+            python, module = str(self.args.consumer_python), "vllm_kv_events_consumer"
+        else:
+            python, module = sys.executable, self.module.__name__
+        return Cli(python, module, self.replay.endpoint, self.replay.replay_endpoint)
 
     def join(self, scenario: Scenario, name: str) -> Consumer | RemoteConsumer:
         live, replay = self.replay.endpoint, self.replay.replay_endpoint
@@ -344,12 +414,22 @@ class Recovery:
                 self.join(scenario, "rebuilt")
                 self.probe_phase(scenario, "after the record was rebuilt")
             if self.args.restart:
+                cli = self.cli()
+                self.clis.append(cli)
+                cli.await_synced(60.0)
                 scenario.close()
                 server.close()
+                down = time.monotonic()
+                time.sleep(DOWN_BEFORE_START_S)
                 server, scenario = self.start()
+                down_s = time.monotonic() - down
                 scenario.quiesce()
                 scenario.load(self.args.jobs)
                 self.probe_phase(scenario, "after restart and load")
+                time.sleep(3.0)  # a state line after the probes' last batch
+                with scenario.live.lock:
+                    keys = len(scenario.live.view.set.keys)
+                self.restart = {"down_s": round(down_s, 1), "cli": cli.close(keys)}
         except (SetupError, urllib.error.URLError, OSError) as e:
             raise SetupError(f"{self.args.label}: {server.failure(e)}") from e
         finally:
@@ -363,6 +443,9 @@ class Recovery:
                 c.close()
             if self.host is not None:
                 self.host.close()
+            for cli in self.clis:
+                if cli.process.poll() is None:
+                    cli.process.kill()
             self.witness.close()
         # A consumer predicts the probes made after it joined.
         made = {
@@ -389,6 +472,7 @@ class Recovery:
             "witness_mismatches": self.witness_mismatches,
             "during": self.during,
             "record_rebuild": self.record_rebuild,
+            "restart": self.restart,
             "consumers": figures,
             "silences_after_recovery": self.silences(figures),
         }

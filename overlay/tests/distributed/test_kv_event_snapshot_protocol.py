@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import os
+import queue
 import random
 import shutil
 import signal
@@ -415,6 +416,138 @@ def test_cli_once_prints_the_state_and_the_prefix_match(capsys):
         pub.shutdown()
 
 
+def test_cli_once_follows_a_publisher_with_snapshots_off():
+    """Snapshots off, but the replay buffer holds the whole epoch (here: an
+    empty one, and one of two batches): the CLI replays from 0."""
+    pub = publisher(snapshot_max_keys=0)
+    try:
+        endpoint, replay = _endpoints(pub)
+        args = ["--endpoint", endpoint, "--replay-endpoint", replay, "--once"]
+        assert kv_events_consumer.main(args) == 0
+        _stores(pub, (1, 2))
+        recorded_status(pub, 2)
+        assert kv_events_consumer.main(args) == 0
+    finally:
+        pub.shutdown()
+
+
+class _CLI:
+    """The reference CLI in a process of its own, its state lines read as
+    they come."""
+
+    def __init__(self, endpoint: str, replay: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.distributed.kv_events_consumer"]
+            + ["--endpoint", endpoint, "--replay-endpoint", replay]
+            + ["--interval", "0.2", "--poll-interval", "0.2"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.states: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.states.append(json.loads(line))
+
+    def state_where(self, holds, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the CLI exited: {self.states[-1:]}"
+            if self.states and holds(self.states[-1]):
+                return self.states[-1]
+            time.sleep(0.05)
+        raise AssertionError(f"no such state in {timeout_s} s: {self.states[-1:]}")
+
+    def stop(self) -> int:
+        self.process.terminate()
+        return self.process.wait(10)
+
+
+def _set_keys(state: dict) -> int:
+    return sum(row.get("set_keys", 0) for row in state["tiers"].values())
+
+
+def test_the_cli_outlives_an_engine_restart_and_follows_the_new_engine():
+    """The publisher goes away for longer than the CLI's requests wait
+    (three tries of 5 s) and comes back on the same ports with a new
+    epoch: the CLI marks its view stale at once, keeps running, and then
+    follows the new publisher; SIGTERM ends it with status 0."""
+    pub = publisher()
+    endpoint, replay = _endpoints(pub)
+    ports = [e.rsplit(":", 1)[1] for e in (endpoint, replay)]
+    cli = _CLI(endpoint, replay)
+    try:
+        _stores(pub, (1, 2, 3))
+        old = cli.state_where(lambda s: s["synced"] and _set_keys(s) == 3)
+        pub.shutdown()
+        down = time.monotonic()
+        stale = cli.state_where(lambda s: s.get("stale_since") is not None, 10.0)
+        assert not stale["synced"]
+        time.sleep(max(0.0, 20.0 - (time.monotonic() - down)))
+        pub = ZmqEventPublisher(
+            0,
+            endpoint=f"tcp://*:{ports[0]}",
+            replay_endpoint=f"tcp://127.0.0.1:{ports[1]}",
+        )
+        _stores(pub, (7,))
+        new = cli.state_where(
+            lambda s: s["synced"] and s["epoch"] != old["epoch"] and _set_keys(s) == 1
+        )
+        assert new["stale_since"] is None
+    finally:
+        assert cli.stop() == 0
+        pub.shutdown()
+
+
+def test_poll_returns_within_its_timeout_under_sustained_load():
+    """Batches published without a pause for 10 s: ``poll(0.1)`` returns
+    long before they stop, and so does ``poll(0)``."""
+    pub = publisher()
+    follower = Follower(*_endpoints(pub))
+    stop = threading.Event()
+
+    def flood() -> None:
+        # Each batch stores 8 keys and removes them: the record stays small.
+        removed = BlockRemoved(
+            block_hashes=list(range(1, 9)), medium="GPU", group_idx=0
+        )
+        batch = KVEventBatch(ts=0.0, events=[stored(range(1, 9)), removed])
+        while not stop.is_set():
+            try:
+                pub.publish(batch)
+            except queue.Full:  # as fast as the publisher sends
+                time.sleep(0.001)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        follower.sync()
+        started = time.monotonic()
+        flooder.start()
+        time.sleep(0.5)
+        for timeout_s in (0.1, 0.0):
+            before = time.monotonic()
+            assert follower.poll(timeout_s) > 0
+            assert time.monotonic() - before < 5.0, "poll() did not return"
+        assert time.monotonic() - started < 8.0  # the flood still runs
+    finally:
+        stop.set()
+        if flooder.is_alive():
+            flooder.join()
+        follower.close()
+        # Its queue full, the publisher takes the end only once it drains.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                pub.shutdown()
+                break
+            except queue.Full:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+
 def _stores(pub: ZmqEventPublisher, hashes) -> None:
     for h in hashes:
         pub.publish(KVEventBatch(ts=0.0, events=[stored([h])]))
@@ -458,14 +591,14 @@ def test_a_restart_that_reaches_the_next_seq_is_not_applied_blindly():
             # itself connected before the publisher holds its subscription,
             # so batches published in between are lost to it, and only a
             # later batch's seq shows the gap (the consumer then replays).
-            second.publish(KVEventBatch(ts=0.0, events=[]))
+            # Under load the subscription can take longer than the sleep
+            # above: an empty batch every poll, as long as it takes.
             want = {("GPU", 0, h) for h in (8, 9, 10, 11, 12, 13)}
-            _follow(
-                follower,
-                lambda: follower.next_seq == 9 and follower.mirror.held_keys() == want,
-            )
-            assert follower.mirror.held_keys() == want
-            assert follower.next_seq == 9
+            deadline = time.monotonic() + 10
+            while (follower.next_seq or 0) < 9 or follower.mirror.held_keys() != want:
+                assert time.monotonic() < deadline, follower.mirror.held_keys()
+                second.publish(KVEventBatch(ts=0.0, events=[]))
+                follower.poll(0.05)
             assert any(a.startswith("restart") for a in follower.stats.anomalies)
         finally:
             second.shutdown()
@@ -486,12 +619,12 @@ class LosesOneSnapshotBatch(Follower):
     lost = 0
 
     def _request_once(self, request: bytes):
-        reply = super()._request_once(request)
+        reply, dropped = super()._request_once(request)
         is_snapshot = msgspec.msgpack.decode(request) == {"op": "snapshot"}
-        if reply is not None and is_snapshot and not self.lost:
+        if is_snapshot and not self.lost:
             del reply.batches[1]
             self.lost += 1
-        return reply
+        return reply, dropped
 
 
 def test_a_snapshot_missing_a_batch_is_an_anomaly_and_asked_again():

@@ -14,6 +14,11 @@ socket and every removal of a key it does not hold, whatever the new epoch's
 status poll that shows batches it never received. Against a publisher without the
 snapshot service (an official vLLM), it can only replay.
 
+``Follower.follow`` never gives up on a publisher: while it does not answer
+(an engine restart takes minutes) the view is stale, marked so at once, and
+recovery is tried again with a capped backoff; a new epoch then replaces
+the view.
+
 It keeps a set mirror and a counting mirror per (medium, group), the metadata
 each held key was announced with, and answers prefix matches (token ids in,
 matched blocks per tier out). ``python -m vllm.distributed.kv_events_consumer``
@@ -28,6 +33,7 @@ them into, ``vllm_kv_events_consumer.kv_events_schema``.
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -364,6 +370,13 @@ class Follower:
     # Replays asked for, each from the first seq still missing, while a
     # publisher without the snapshot service answers in part.
     LEGACY_REPLAYS = 8
+    # Live batches ``poll(0)`` reads at most: the SUB socket's queue (ZMQ's
+    # default receive high-water mark).
+    READ_AT_ONCE = 1000
+    # ``follow``: after a failed recovery, the next try RETRY_FIRST_S later,
+    # each pause twice the last (with jitter) up to RETRY_MAX_S.
+    RETRY_FIRST_S = 1.0
+    RETRY_MAX_S = 30.0
 
     def __init__(
         self,
@@ -385,7 +398,7 @@ class Follower:
         # Every (re)connection of the SUB socket: a restarted publisher on the
         # same ports looks like one, whatever seq its new epoch has reached.
         self._sub_events = self._sub.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
         self._connections = 0
         self._reconnected = False
@@ -401,6 +414,12 @@ class Follower:
         self.snapshots: bool | None = None
         self.pending: dict[int, bytes] = {}
         self.stats = Stats()
+        # Since when (wall clock) the view is stale: the publisher's stream
+        # dropped, or its replay socket did not answer; None while fresh.
+        self.stale_since: float | None = None
+        self._retry_at = 0.0
+        self._retry_pause_s = self.RETRY_FIRST_S
+        self._last_live = time.monotonic()
 
     def close(self) -> None:
         self._sub.disable_monitor()
@@ -424,34 +443,55 @@ class Follower:
         A request sent as the publisher restarts on the same ports can go
         down with the old connection. Every request is a read, so one left
         unanswered for ``timeout_s`` is sent again on a fresh socket, up to
-        ``REQUEST_RETRIES`` times (ZMQ's "lazy pirate" client), before
-        ``NoReply``. An answer cut short (batches, then ``timeout_s`` without
-        the end marker) is returned incomplete: the caller asks for what is
-        missing.
+        ``REQUEST_RETRIES`` times (ZMQ's "lazy pirate" client; not while
+        the view is stale), before ``NoReply``. An answer cut short
+        (batches, then ``timeout_s`` without the end marker) is returned
+        incomplete: the caller asks for what is missing.
         """
-        for _ in range(self.REQUEST_RETRIES + 1):
-            reply = self._request_once(request)
+        # Once stale, one try: ``follow`` asks again after a pause.
+        tries = 1 if self.stale_since is not None else self.REQUEST_RETRIES + 1
+        made = 0
+        while made < tries:
+            reply, dropped = self._request_once(request)
             if reply.complete or reply.batches:
                 return reply
+            made += 1
+            if dropped:
+                # It went down with the live stream's connection: a publisher
+                # restarted on the same ports may answer a fresh one, once.
+                tries = made + 1
         raise NoReply(
             f"no answer from {self._replay_endpoint} in "
-            f"{self.REQUEST_RETRIES + 1} tries of {self._timeout_ms} ms"
+            f"{made} tries of up to {self._timeout_ms} ms"
         )
 
-    def _request_once(self, request: bytes) -> Reply:
+    def _request_once(self, request: bytes) -> tuple[Reply, bool]:
+        """One try, and whether it was given up because the live stream's
+        connection dropped meanwhile (the publisher is gone)."""
         self._req.send_multipart((b"", request))
         batches: list[tuple[int, bytes]] = []
+        poller = zmq.Poller()
+        poller.register(self._req, zmq.POLLIN)
+        poller.register(self._sub_events, zmq.POLLIN)
         while True:
-            if not self._req.poll(self._timeout_ms):
+            deadline = time.monotonic() + self._timeout_ms / 1000
+            dropped = False
+            while (
+                not self._req.poll(0)
+                and (left := deadline - time.monotonic()) > 0
+                and not (dropped := self._watch_sub())
+            ):
+                poller.poll(left * 1000)
+            if not self._req.poll(0):
                 # A late answer must not be read as the next one's.
                 self._req.close(linger=0)
                 self._req = self._dealer()
-                return Reply(batches, None, complete=False)
+                return Reply(batches, None, complete=False), dropped
             _, _, seq_bytes, payload = self._req.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq == END_SEQ:
                 end = msgspec.msgpack.decode(payload) if payload else None
-                return Reply(batches, end)
+                return Reply(batches, end), False
             batches.append((seq, payload))
 
     def status(self) -> dict[str, Any] | None:
@@ -465,19 +505,25 @@ class Follower:
     # -- the live stream ----------------------------------------------------
 
     def poll(self, timeout_s: float = 0.0) -> int:
-        """Read the live batches that arrive within ``timeout_s``; returns how
-        many were read."""
+        """Read the live batches that arrive within ``timeout_s`` and return
+        then, however fast they come (with 0, at most READ_AT_ONCE, what the
+        SUB socket's queue holds); returns how many were read. A batch that
+        starts a recovery can take longer."""
         read = 0
-        timeout = int(timeout_s * 1000)
+        deadline = time.monotonic() + timeout_s
         self._check_connections()
-        while self._sub.poll(timeout):
+        while read < self.READ_AT_ONCE:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sub.poll(left_ms):
+                break
             _, seq_bytes, payload = self._sub.recv_multipart()
             # A connection is reported before its first batch can arrive. A
             # batch that a recovery followed is in what it recovered.
             if not self._check_connections():
                 self.on_live(int.from_bytes(seq_bytes, "big"), payload)
             read += 1
-            timeout = 0
+            if timeout_s and time.monotonic() >= deadline:
+                break
         return read
 
     def _check_connections(self) -> bool:
@@ -485,14 +531,25 @@ class Follower:
         the publisher's status before the next batch is applied: a publisher
         restarted on the same ports counts from 0 again and can reach the
         consumer's next seq. True when that started a recovery."""
-        while self._sub_events.poll(0):
-            zmq.utils.monitor.recv_monitor_message(self._sub_events)
-            self._connections += 1
-            if self._connections > 1:
-                self._reconnected = True
+        self._watch_sub()
         if self._reconnected and self.synced:
             return self._verify_epoch()
         return False
+
+    def _watch_sub(self) -> bool:
+        """Read the SUB socket's connection events; True if its connection
+        dropped (the publisher is gone: the view is stale at once)."""
+        dropped = False
+        while self._sub_events.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._sub_events)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._stale("the live stream's connection dropped")
+                dropped = True
+                continue
+            self._connections += 1
+            if self._connections > 1:
+                self._reconnected = True
+        return dropped
 
     def _verify_epoch(self) -> bool:
         """Ask the publisher's status; on a new epoch recover. True when it
@@ -500,6 +557,7 @@ class Follower:
         self._reconnected = False
         status = self.status()
         if status is None or status["epoch"] == self.epoch:
+            self._fresh()
             return False
         # Kept batches came from the old publisher or are in the recovery.
         self.pending.clear()
@@ -542,6 +600,54 @@ class Follower:
     def _unknown_removals(self) -> int:
         return len(self.mirror.unknown_removals)
 
+    # -- following, whatever the publisher does ------------------------------
+
+    def follow(self, timeout_s: float = 0.1, poll_interval_s: float = 1.0) -> None:
+        """One turn of following, as the CLI runs it: read live batches for
+        up to ``timeout_s``; after ``poll_interval_s`` without one, check the
+        publisher's status (``sync``). A publisher that does not answer, or
+        a recovery that fails (snapshots refused or off, an answer cut
+        short), leaves the view stale and is tried again RETRY_FIRST_S
+        later, doubling up to RETRY_MAX_S; never raised. Live batches that
+        arrive meanwhile are kept for the recovery."""
+        now = time.monotonic()
+        try:
+            if self.stale_since is not None and now < self._retry_at:
+                self.poll(min(timeout_s, self._retry_at - now))
+            elif self.stale_since is not None or not self.synced:
+                self.sync()
+                self._last_live = time.monotonic()
+            elif self.poll(timeout_s):
+                self._last_live = time.monotonic()
+            elif time.monotonic() - self._last_live > poll_interval_s:
+                self.sync()
+                self._last_live = time.monotonic()
+        except (NoReply, RecoveryFailed) as e:
+            self._stale(str(e))
+            pause = self._retry_pause_s * random.uniform(0.8, 1.2)
+            self._retry_at = time.monotonic() + pause
+            self._retry_pause_s = min(2 * self._retry_pause_s, self.RETRY_MAX_S)
+            self.anomaly(f"stale: {e}; trying again in {pause:.1f} s")
+
+    def _stale(self, why: str) -> None:
+        """Mark the view stale (the publisher may be gone): ``follow`` then
+        tries to recover, with pauses, until it answers (``_fresh``)."""
+        if self.stale_since is None:
+            self.stale_since = time.time()
+            self.anomaly(f"stale: {why}")
+
+    def _fresh(self) -> None:
+        """The publisher answered and the view follows it again."""
+        self.stale_since = None
+        self._retry_pause_s = self.RETRY_FIRST_S
+
+    def match(self, token_ids: Sequence[int], stale: bool = False) -> dict[Tier, int]:
+        """``Mirror.match`` of the view; nothing while the view is stale,
+        unless ``stale`` (a router that rather routes on the last view)."""
+        if self.stale_since is not None and not stale:
+            return {}
+        return self.mirror.match(token_ids)
+
     # -- recovery -----------------------------------------------------------
 
     def sync(self, min_next_seq: int = 0, timeout_s: float = 10.0) -> None:
@@ -559,6 +665,7 @@ class Follower:
         if status is None:
             if self.synced:
                 self.poll(0)
+                self._fresh()
             else:
                 self._recover_legacy()
             return
@@ -572,6 +679,7 @@ class Follower:
             ):
                 self.poll(0.01)
             if self.synced and (self.next_seq or 0) >= status["next_seq"]:
+                self._fresh()
                 return
             if self.synced:
                 self.anomaly(
@@ -593,11 +701,21 @@ class Follower:
         if self.epoch is not None and status["epoch"] != self.epoch:
             self.anomaly(f"restart: epoch {self.epoch:#x} -> {status['epoch']:#x}")
             self.next_seq = None
+        if (
+            self.next_seq is None
+            and status["oldest_seq"] == 0
+            and not status["snapshot"]["enabled"]
+        ):
+            # Snapshots are off, but the buffer holds the whole epoch: a
+            # replay from 0 is the view.
+            self.mirror.apply(AllBlocksCleared())
+            self.epoch, self.next_seq = status["epoch"], 0
         for _ in range(8):
             if self.next_seq is None or not self._replay(self.next_seq):
                 self._snapshot()
             if self._drain():
                 self.synced = True
+                self._fresh()
                 return
         raise RecoveryFailed("recovery did not converge in 8 rounds")
 
@@ -753,6 +871,7 @@ class Follower:
             self.next_seq = min(self.pending)
         self._drain()
         self.synced = True
+        self._fresh()
 
 
 def _arrived(seqs: list[int], start_seq: int, reply: Reply) -> str:
@@ -777,7 +896,11 @@ def _state(follower: Follower) -> dict[str, Any]:
     return {
         "epoch": None if follower.epoch is None else f"{follower.epoch:#018x}",
         "next_seq": follower.next_seq,
-        "synced": follower.synced,
+        # Following the publisher exactly, now: not while the view is stale.
+        "synced": follower.synced and follower.stale_since is None,
+        "stale_since": None
+        if follower.stale_since is None
+        else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(follower.stale_since)),
         "snapshot_service": follower.snapshots,
         "copy_semantics": follower.mirror.copy_semantics,
         "applied_batches": follower.stats.applied,
@@ -840,6 +963,12 @@ def main(argv: Iterable[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument(
         "--match", type=_parse_tokens, help="also print the prefix match of these"
     )
+    parser.add_argument(
+        "--stale-match",
+        action="store_true",
+        help="answer --match from a stale view too (default: a stale view, "
+        "while the engine does not answer, matches nothing)",
+    )
     args = parser.parse_args(None if argv is None else list(argv))
 
     follower = Follower(
@@ -858,28 +987,25 @@ def main(argv: Iterable[str] | None = None, prog: str | None = None) -> int:
         reported = len(follower.stats.anomalies)
         state = _state(follower)
         if args.match is not None:
-            state["match"] = {
-                f"{m}/{g}": n for (m, g), n in follower.mirror.match(args.match).items()
-            }
+            matched = follower.match(args.match, stale=args.stale_match)
+            state["match"] = {f"{m}/{g}": n for (m, g), n in matched.items()}
         print(json.dumps(state), flush=True)
 
+    # A container stop: print the last state and exit 0, as on Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        follower.sync()
         if args.once:
+            follower.sync()
             report()
             return 1 if follower.stats.anomalies or not follower.synced else 0
-        start = last_report = last_live = time.monotonic()
+        start = last_report = time.monotonic()
         while args.duration is None or time.monotonic() - start < args.duration:
-            if follower.poll(0.1):
-                last_live = time.monotonic()
-            elif time.monotonic() - last_live > args.poll_interval:
-                follower.sync()
-                last_live = time.monotonic()
+            follower.follow(0.1, args.poll_interval)
             if time.monotonic() - last_report >= args.interval:
                 report()
                 last_report = time.monotonic()
         report()
-    except (NoReply, RecoveryFailed) as e:
+    except (NoReply, RecoveryFailed) as e:  # --once only
         report()
         print(f"error: {e}", file=sys.stderr)
         return 1
