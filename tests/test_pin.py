@@ -47,3 +47,19 @@ def test_bad_pin_names_the_key(
     with pytest.raises(OverlayError, match=message) as e:
         load_pin(checkout.pin)
     assert str(checkout.pin) in e.value.what
+
+
+def test_the_submodule_tracks_the_pinned_tag() -> None:
+    """``.gitmodules`` names the release pin.toml pins, not the one before
+    (a rebase that forgot it leaves the submodule on the old branch)."""
+    pin = load_pin(REPO.pin)
+    gitmodules = (REPO.root / ".gitmodules").read_text()
+    branches = [
+        line.split("=", 1)[1].strip()
+        for line in gitmodules.splitlines()
+        if line.strip().startswith("branch")
+    ]
+    assert branches == [pin.tag], (
+        f".gitmodules tracks {branches}, pin.toml pins {pin.tag}: "
+        f"set `branch = {pin.tag}` under [submodule \"upstream\"] in .gitmodules"
+    )
