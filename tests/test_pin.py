@@ -61,5 +61,5 @@ def test_the_submodule_tracks_the_pinned_tag() -> None:
     ]
     assert branches == [pin.tag], (
         f".gitmodules tracks {branches}, pin.toml pins {pin.tag}: "
-        f"set `branch = {pin.tag}` under [submodule \"upstream\"] in .gitmodules"
+        f'set `branch = {pin.tag}` under [submodule "upstream"] in .gitmodules'
     )

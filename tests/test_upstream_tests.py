@@ -397,7 +397,7 @@ def test_check_without_a_baseline_runs_only_the_new_tests(tmp_path: Path) -> Non
 
     passed = check("tests/new/test_n.py")
     assert passed.returncode == 0, passed.stdout + passed.stderr
-    assert "upstream tests: 1 run passed 1," in passed.stdout
+    assert "overlay tests: 1 run passed 1," in passed.stdout
     assert "VERSION DRIFT" not in passed.stdout
     new.write_text("def test_n():\n    assert 0\n")
     failed = check("tests/new/test_n.py")

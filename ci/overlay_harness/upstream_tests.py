@@ -690,10 +690,12 @@ def format_comparison(
 ) -> str:
     out: list[str] = []
     c = counts(r.outcome for r in results.values())
+    # Without a baseline only the overlay's own tests ran (the rebase gate).
     out.append(
-        f"upstream tests: {len(results)} run "
+        ("upstream tests: " if baseline.tests else "overlay tests: ")
+        + f"{len(results)} run "
         + ", ".join(f"{k} {v}" for k, v in c.items())
-        + f"; baseline {len(baseline.tests)} node ids"
+        + (f"; baseline {len(baseline.tests)} node ids" if baseline.tests else "")
     )
 
     def section(title: str, ids: list[str], show_msg: bool) -> None:

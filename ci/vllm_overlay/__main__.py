@@ -347,7 +347,13 @@ def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
     names = workspace.export(ws, args.drop, args.force)
     state = workspace.State.load(ws)
     assert state is not None  # export refuses a workspace without its state
-    return f"exported {len(names)} patches to {state.export_to}"
+    series = state.export_to
+    return (
+        f"exported {len(names)} patches to {series}\n"
+        f"next: review `git -C {layout.root} diff --stat -- {series}`, then "
+        f"commit it with a message that says why: "
+        f"`git -C {layout.root} add -A -- {series} && git -C {layout.root} commit`"
+    )
 
 
 def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:

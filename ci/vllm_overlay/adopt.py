@@ -177,10 +177,14 @@ def adopt(layout: Layout, version: str) -> str:
     root = layout.root
     stat = _git(root, "diff", "--stat=200", *specs)
     new = _git(root, "ls-files", "--others", "--exclude-standard", *specs).split()
+    # The overlay tests' node ids may have moved with the rebase (the gate
+    # said which); they are committed with it.
+    add = ["git", "add", "-A", *specs, "ci/overlay-tests.txt"]
+    commit = ["git", "commit", "-q", "-m", f"Rebase onto vLLM {version}"]
     return (
         f"adopted {rebased}:\n{stat}"
         + "".join(f" new file: {n}\n" for n in new)
-        + f"commit it: `{shlex.join(['git', 'add', '-A', *specs])} && git commit`"
+        + f"commit it: `{shlex.join(add)} && {shlex.join(commit)}`"
     )
 
 

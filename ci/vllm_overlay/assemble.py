@@ -238,6 +238,14 @@ def assemble_wheel(
                 elif name in touched:
                     data = (tree / name).read_bytes()
                 else:
+                    if name not in official_records:
+                        raise OverlayError(
+                            f"{official}: its RECORD has no row for {name!r} (a "
+                            "name with a comma must be quoted there, as CSV "
+                            "quotes it)",
+                            f"download the official wheel again: remove {official} "
+                            "and run ./build.sh",
+                        )
                     writer.copy(name, info, raw_member(archive, info))
                     records.append(official_records[name])
                     continue

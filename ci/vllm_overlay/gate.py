@@ -43,7 +43,7 @@ from vllm_overlay.proc import output_of
 RECORD = "test.json"
 # The gate's venvs: a rebased wheel never goes into the checkout's test venv.
 ENV = "rebase-test-env"
-_SUMMARY = re.compile(r"^upstream tests: .*$", re.M)
+_SUMMARY = re.compile(r"^(upstream|overlay) tests: .*$", re.M)
 
 
 def record_path(layout: Layout, version: str) -> Path:
