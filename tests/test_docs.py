@@ -145,8 +145,9 @@ def test_readme_fleet_headline_is_the_fleet_report() -> None:
 
 
 def test_rebase_duration_is_the_rebase_report() -> None:
-    """How long a rebase takes, stated once (README): ``rebase_sentence`` of
-    the committed docs/benchmarks/rebase.json (ci/bench/bench_rebase.py)."""
+    """How long a rebase takes, stated once (docs/verification.md):
+    ``rebase_sentence`` of the committed docs/benchmarks/rebase.json
+    (ci/bench/bench_rebase.py)."""
     bench_rebase = load_bench("bench_rebase")
     report = json.loads((BENCH_DOCS / "rebase.json").read_text())
     assert len(report["runs"]) >= 3, "a median needs at least 3 runs"

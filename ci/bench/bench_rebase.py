@@ -22,8 +22,9 @@ line names) and this checkout's overlay tests and node ids. The adopted
 series is then this series but for ``DROPPED``: the report lists each path
 of pin, series, overlay and node ids that differs. The tool runs inside the
 human steps (each ``--continue``) are counted as tool time, the file copies
-are not. The README's sentence on how long a rebase takes is rendered from
-the report (``rebase_sentence``; tests/test_docs.py checks it).
+are not. docs/verification.md's sentence on how long a rebase takes is
+rendered from the report (``rebase_sentence``; tests/test_docs.py checks
+it).
 
     python3 ci/bench/bench_rebase.py --repeats 3 --out docs/benchmarks/rebase.json
 """
@@ -240,7 +241,8 @@ def write_report(
 
 
 def rebase_sentence(report: dict[str, Any]) -> str:
-    """The README's sentence on how long a rebase takes, from ``report``."""
+    """The sentence on how long a rebase takes (docs/verification.md), from
+    ``report``."""
     gate = [float(r["steps_s"]["rebase-test (every file)"]) for r in report["runs"]]
     load = [x for r in report["runs"] for x in r["load_average_1min"]]
     cores, python = report["machine"].split(", ")
@@ -260,7 +262,7 @@ def rebase_sentence(report: dict[str, Any]) -> str:
         f"({min(gate) / 60:.1f} to {max(gate) / 60:.1f}); measured "
         f"{report['date']} on {cores} with Python {python}, shared with other "
         f"work (load average {min(load):.1f} to {max(load):.1f} at the runs' "
-        "starts and ends; [rebase.json](docs/benchmarks/rebase.json))."
+        "starts and ends; [rebase.json](benchmarks/rebase.json))."
     )
 
 
