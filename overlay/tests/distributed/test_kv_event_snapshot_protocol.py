@@ -387,6 +387,43 @@ def test_the_record_keeps_only_each_held_keys_own_fields(policy, pattern):
     assert held_bytes / record.num_keys <= RECORD_BYTES_PER_KEY
 
 
+# A value of its own for each BlockStored field, per block where the field
+# holds one entry per block (block 1 of two blocks of 4 tokens).
+_FIELD_VALUES: dict[str, tuple[Any, Any]] = {
+    # field: (the event's value, what block 1 carries)
+    "block_hashes": ([101, 102], 101),  # block 1's parent is block 0
+    "parent_block_hash": (100, None),
+    "token_ids": (list(range(8)), (4, 5, 6, 7)),
+    "block_size": (4, 4),
+    "lora_id": (7, 7),
+    "medium": ("M", "M"),
+    "lora_name": ("L", "L"),
+    "extra_keys": ([("e0",), ("e1",)], ("e1",)),
+    "group_idx": (3, 3),
+    "kv_cache_spec_kind": ("K", "K"),
+    "kv_cache_spec_sliding_window": (9, 9),
+    "locality": ("LOC", "LOC"),
+    "ownership": ("OWN", "OWN"),
+    "session_id": ("S", "S"),
+    "lookahead_token_ids": ([[1, 2], [3, 4]], [3, 4]),
+}
+
+
+def test_block_fields_reads_every_field_by_the_schemas_name():
+    """Every field of the engine's own BlockStored reaches ``block_fields``
+    by its name in the schema: each set to a value of its own, block 1's
+    tuple carries each (a misnamed ``getattr`` reads None, and a test that
+    compares the helper with itself cannot see it)."""
+    names = BlockStored.__struct_fields__
+    unknown = set(names) - set(_FIELD_VALUES)
+    assert not unknown, f"BlockStored has new fields {unknown}: add them here"
+    event = BlockStored(**{n: _FIELD_VALUES[n][0] for n in names})
+    fields = block_fields(event, 1)
+    for name in names:
+        if name != "parent_block_hash":  # block 1's parent is block 0's hash
+            assert _FIELD_VALUES[name][1] in fields, (name, fields)
+
+
 def test_cli_once_prints_the_state_and_the_prefix_match(capsys):
     pub = publisher()
     try:
