@@ -81,6 +81,8 @@ SHORT_GAP = 3
 # samples of /metrics; the phase's last request can also end within the
 # join, so only the count before the join is required.
 DURING_MIN_RUNNING = 1
+# Load phases run at most until the `during` consumer has joined.
+LOAD_PHASES_FOR_JOIN = 3
 # A recovery followed by this long without a live batch is reported, with
 # what the witness got meanwhile (issue 31: about 2 s seen by a consumer).
 SILENCE_S = 0.5
@@ -371,25 +373,36 @@ class Recovery:
         return {"off_s": round(off_s, 2), "back_after_off_s": round(back_s, 2)}
 
     def load(self, scenario: Scenario) -> None:
-        before = scenario.live.batches
-        load_done = threading.Event()
-        joiner = threading.Thread(
-            target=self.join_during_load,
-            args=(scenario, before + BUFFER_STEPS, load_done),
+        """A load phase with the `long` consumer cut, the `short` one losing
+        batches and the `during` one joining; another phase (up to
+        LOAD_PHASES_FOR_JOIN in all) where the phase ended before the join
+        saw a request running (a starved joiner thread, on a loaded CI
+        machine)."""
+        for phase in range(1, LOAD_PHASES_FOR_JOIN + 1):
+            before = scenario.live.batches
+            load_done = threading.Event()
+            joiner = threading.Thread(
+                target=self.join_during_load,
+                args=(scenario, before + BUFFER_STEPS, load_done),
+            )
+            gaps = threading.Thread(target=self.short_gaps, args=(load_done,))
+            self.consumers["long"].link(cut=True, lose=0)
+            joiner.start()
+            gaps.start()
+            try:
+                scenario.load(self.args.jobs)
+            finally:
+                load_done.set()
+                self.consumers["long"].link(cut=False, lose=0)
+                joiner.join()
+                gaps.join()
+            if "during" in self.consumers:
+                self.during["load_phases"] = phase
+                return
+        raise SetupError(
+            f"{LOAD_PHASES_FOR_JOIN} load phases ended before the `during` "
+            "consumer joined"
         )
-        gaps = threading.Thread(target=self.short_gaps, args=(load_done,))
-        self.consumers["long"].link(cut=True, lose=0)
-        joiner.start()
-        gaps.start()
-        try:
-            scenario.load(self.args.jobs)
-        finally:
-            load_done.set()
-            self.consumers["long"].link(cut=False, lose=0)
-            joiner.join()
-            gaps.join()
-        if "during" not in self.consumers:
-            raise SetupError("the load phase ended before the `during` consumer joined")
 
     def short_gaps(self, load_done: threading.Event) -> None:
         """``short`` loses ``SHORT_GAP`` batches as the load starts, then
