@@ -154,8 +154,11 @@ class ReplayAnswers:
             frame = self._socket.recv()
             if len(frames) < 4:
                 frames.append(frame)
-        # An inproc connection has no descriptor (-1): it is not counted.
-        if (connection := _connection(first.get(zmq.SRCFD))) is not None:
+        try:
+            fd = first.get(zmq.SRCFD)
+        except zmq.ZMQError:  # inproc: no descriptor, and it is not counted
+            fd = -1
+        if (connection := _connection(fd)) is not None:
             self._connection[frames[0]] = connection
         return frames
 
