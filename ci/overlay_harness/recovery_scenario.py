@@ -67,8 +67,9 @@ from typing import Any
 import psutil
 
 from overlay_harness import load_scenario, server_scenario
-from overlay_harness.consumer_host import Consumer, Host, RemoteConsumer
+from overlay_harness.consumer_host import Cli, Consumer, Host, RemoteConsumer
 from overlay_harness.load_scenario import Scenario, metric
+from overlay_harness.relay_scenario import Relayed
 from overlay_harness.router_view import checkout_consumer
 from overlay_harness.server_scenario import Replay, Server, SetupError
 
@@ -95,58 +96,6 @@ RECORD_BACK_WITHIN_S = 60.0
 # (its start-up comes on top: 14 to 190 s seen here): the reference CLI,
 # which follows it throughout, must outlast a restart of over two minutes.
 DOWN_BEFORE_START_S = 125.0
-
-
-class Cli:
-    """The reference CLI in a process of its own (``python -m MODULE``), its
-    state lines kept as they come."""
-
-    def __init__(self, python: str, module: str, endpoint: str, replay: str) -> None:
-        self.process = subprocess.Popen(
-            [python, "-m", module, "--endpoint", endpoint]
-            + ["--replay-endpoint", replay, "--interval", "1"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.states: list[dict[str, Any]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None  # narrows type for mypy
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                self.states.append(json.loads(line))
-
-    def await_synced(self, within_s: float) -> None:
-        deadline = time.monotonic() + within_s
-        while not (self.states and self.states[-1]["synced"]):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise SetupError(f"the reference CLI did not sync: {self.states[-1:]}")
-            time.sleep(0.1)
-
-    def close(self, keys: int) -> dict[str, Any]:
-        """Stop it (SIGTERM); what it showed, against the ``keys`` a
-        subscriber that saw every batch holds."""
-        running = self.process.poll() is None
-        self.process.terminate()
-        exit_code = self.process.wait(30)
-        self._reader.join(10)
-        last = self.states[-1] if self.states else {}
-        return {
-            "running_until_stopped": running,
-            "exit_code": exit_code,
-            "state_lines": len(self.states),
-            "stale_lines": sum(s.get("stale_since") is not None for s in self.states),
-            "synced_epochs": list(
-                dict.fromkeys(s["epoch"] for s in self.states if s["synced"])
-            ),
-            "last": last,
-            "last_set_keys": sum(
-                row.get("set_keys", 0) for row in last.get("tiers", {}).values()
-            ),
-            "witness_keys": keys,
-        }
 
 
 def consumer_module() -> tuple[Any, str]:
@@ -242,6 +191,7 @@ class Recovery:
         self.record_rebuild: dict[str, Any] | None = None
         self.restart: dict[str, Any] | None = None
         self.clis: list[Cli] = []
+        self.relayed: Relayed | None = None
 
     def start(self) -> tuple[Server, Scenario]:
         self.servers += 1
@@ -257,16 +207,42 @@ class Recovery:
         scenario = Scenario(server, self.args)
         self.witness.follow(scenario.live)
         scenario.predictors = {n: c.predict for n, c in self.consumers.items()}
+        if self.relayed is not None:
+            scenario.predictors |= self.relayed.predictors
         return server, scenario
 
-    def cli(self) -> Cli:
-        """The reference CLI, as the consumers run: in the router's venv
-        (the standalone wheel) or this one."""
+    def cli_module(self) -> tuple[str, str]:
+        """The python and module of the reference CLI, as the consumers run:
+        in the router's venv (the standalone wheel) or this one."""
         if self.args.consumer_python is not None:
-            python, module = str(self.args.consumer_python), "vllm_kv_events_consumer"
-        else:
-            python, module = sys.executable, self.module.__name__
-        return Cli(python, module, self.replay.endpoint, self.replay.replay_endpoint)
+            return str(self.args.consumer_python), "vllm_kv_events_consumer"
+        return sys.executable, self.module.__name__
+
+    def cli(self) -> Cli:
+        return Cli(
+            *self.cli_module(), self.replay.endpoint, self.replay.replay_endpoint
+        )
+
+    def start_relayed(self, scenario: Scenario) -> None:
+        """The relay and Dynamo's indexers, started late (``relay_scenario``)."""
+        self.relayed = Relayed(
+            self.cli_module(),
+            self.args.dynamo_python,
+            (self.replay.endpoint, self.replay.replay_endpoint),
+            BLOCK,
+            self.args.log_dir,
+        )
+        self.relayed.follow(lambda: self.status()["next_seq"])
+        scenario.predictors |= self.relayed.predictors
+
+    def relay_gap(self, scenario: Scenario) -> None:
+        """A load phase that the relay's link loses whole."""
+        assert self.relayed is not None  # narrows type for mypy
+        self.relayed.link.cut = True
+        try:
+            scenario.load(self.args.jobs)
+        finally:
+            self.relayed.link.cut = False
 
     def join(self, scenario: Scenario, name: str) -> Consumer | RemoteConsumer:
         live, replay = self.replay.endpoint, self.replay.replay_endpoint
@@ -331,17 +307,21 @@ class Recovery:
                     }
                 )
 
-    def snapshot_status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:
+        """The publisher's status map."""
         follower = self.module.Follower(
             self.replay.endpoint, self.replay.replay_endpoint
         )
         try:
-            status = follower.status()
+            status: dict[str, Any] | None = follower.status()
         finally:
             follower.close()
         if status is None:
             raise SetupError("the replay socket did not answer a status request")
-        snapshot: dict[str, Any] = status["snapshot"]
+        return status
+
+    def snapshot_status(self) -> dict[str, Any]:
+        snapshot: dict[str, Any] = self.status()["snapshot"]
         return snapshot
 
     def _await_snapshots(self, enabled: bool, within_s: float) -> float:
@@ -421,7 +401,12 @@ class Recovery:
             self.join(scenario, "long")
             self.load(scenario)
             self.join(scenario, "late")
+            if self.args.dynamo_python is not None:
+                self.start_relayed(scenario)
             self.probe_phase(scenario, "after load")
+            if self.relayed is not None:
+                self.relay_gap(scenario)
+                self.probe_phase(scenario, "after the relay's link lost a phase")
             self.record_rebuild = self.kill_the_record(server)
             if self.record_rebuild is not None:
                 self.join(scenario, "rebuilt")
@@ -439,6 +424,9 @@ class Recovery:
                 scenario.quiesce()
                 scenario.load(self.args.jobs)
                 self.probe_phase(scenario, "after restart and load")
+                if self.relayed is not None:
+                    self.relayed.restart_relay()
+                    self.probe_phase(scenario, "after the relay restarted")
                 time.sleep(3.0)  # a state line after the probes' last batch
                 with scenario.live.lock:
                     keys = len(scenario.live.view.set.keys)
@@ -459,11 +447,15 @@ class Recovery:
             for cli in self.clis:
                 if cli.process.poll() is None:
                     cli.process.kill()
+            relay = None
+            if self.relayed is not None:
+                with scenario.live.lock:
+                    keys = len(scenario.live.view.set.keys)
+                relay = self.relayed.close(keys)
             self.witness.close()
         # A consumer predicts the probes made after it joined.
-        made = {
-            n: [p for p in self.probes if n in p["predicted"]] for n in self.consumers
-        }
+        names = [*self.consumers, *(self.relayed.predictors if self.relayed else ())]
+        made = {n: [p for p in self.probes if n in p["predicted"]] for n in names}
         wrong = {
             n: [p for p in probes if p["predicted"][n] != p["served"]]
             for n, probes in made.items()
@@ -479,6 +471,7 @@ class Recovery:
             "server_starts": self.servers,
             "startup_s": self.startup_s,
             "probes": len(self.probes),
+            "probes_per_phase": self.args.probes,
             "probes_served_a_hit": sum(p["served"] > 0 for p in self.probes),
             "probes_exact": {n: len(made[n]) - len(w) for n, w in wrong.items()},
             "probes_wrong": wrong,
@@ -486,6 +479,7 @@ class Recovery:
             "during": self.during,
             "record_rebuild": self.record_rebuild,
             "restart": self.restart,
+            "relay": relay,
             "consumers": figures,
             "silences_after_recovery": self.silences(figures),
         }
@@ -533,6 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="run the consumers in this python's venv, the standalone consumer "
         "wheel's (overlay_harness.consumer_host)",
+    )
+    ap.add_argument(
+        "--dynamo-python",
+        type=Path,
+        help="also run Dynamo's KV indexer (this python's venv has "
+        "ai-dynamo-runtime) behind the reference consumer's relay and, the "
+        "control, on the engine's stream itself (relay_scenario)",
     )
     args = load_scenario.parse_args(ap, argv, jobs=10, probes=8)
     started = time.monotonic()

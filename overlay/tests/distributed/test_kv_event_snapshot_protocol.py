@@ -189,7 +189,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bind_known_ports() -> tuple[ZmqEventPublisher, list[int]]:
+def _bind_known_ports(**kwargs: Any) -> tuple[ZmqEventPublisher, list[int]]:
     """A publisher on two ports the test knows, so that a restart can bind
     them again. Both are probed while held, so they differ; one that another
     process takes before the publisher binds it is traded for fresh ones."""
@@ -200,20 +200,23 @@ def _bind_known_ports() -> tuple[ZmqEventPublisher, list[int]]:
             ports = [live.getsockname()[1], replay.getsockname()[1]]
         try:
             return ZmqEventPublisher(
-                0, endpoint=f"tcp://*:{ports[0]}", replay_endpoint=f"tcp://*:{ports[1]}"
+                0,
+                endpoint=f"tcp://*:{ports[0]}",
+                replay_endpoint=f"tcp://*:{ports[1]}",
+                **kwargs,
             ), ports
         except zmq.ZMQError:
             continue
     raise AssertionError("no two free ports in 20 tries")
 
 
-def _rebind(endpoints: list[str]) -> ZmqEventPublisher:
+def _rebind(endpoints: list[str], **kwargs: Any) -> ZmqEventPublisher:
     """A new publisher on the ports the last one just closed (ZMQ releases
     them in the background)."""
     for _ in range(50):
         try:
             return ZmqEventPublisher(
-                0, endpoint=endpoints[0], replay_endpoint=endpoints[1]
+                0, endpoint=endpoints[0], replay_endpoint=endpoints[1], **kwargs
             )
         except zmq.ZMQError:
             time.sleep(0.1)

