@@ -51,7 +51,7 @@ for pin in targets/*/pin.toml; do targets+=("$(basename "$(dirname "$pin")")"); 
 need_gib=40
 [[ $cold == no ]] && need_gib=20
 . ci/prerequisites.sh
-prerequisites "$need_gib" quilt patch git shellcheck
+prerequisites "$need_gib" quilt patch git shellcheck nodejs npm
 mkdir -p build
 : >"$steps"
 rm -f "$junit" build/ci-run.json

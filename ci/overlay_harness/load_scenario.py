@@ -31,6 +31,11 @@ then holds. A router that learnt of the reset predicts 0 for it; one whose
 stream holds the reset back until the next engine step predicts a full
 hit.
 
+With ``--dynamo-python``, NVIDIA Dynamo's standalone KV indexer
+(``relay_scenario.Indexer``) subscribes to the engine's stream before the
+load, as Dynamo's router does (the publisher then binds an ``ipc://``
+endpoint, and the view connects to it too), and predicts each probe too.
+
     python -m overlay_harness.load_scenario --policy logical --label overlay \\
         --out build/concurrent-load.json
 
@@ -63,13 +68,17 @@ from pathlib import Path
 from typing import Any
 
 from overlay_harness import server_scenario
+from overlay_harness.relay_scenario import Indexer
 from overlay_harness.router_view import RouterView
-from overlay_harness.server_scenario import SERVED_NAME, Server, SetupError
+from overlay_harness.server_scenario import SERVED_NAME, Replay, Server, SetupError
 
 BLOCK = server_scenario.BLOCK_SIZE
 NUM_BLOCKS = 24
 MAX_MODEL_LEN = 256
 THREADS = 6
+# With --dynamo-python: the replay buffer of the publisher that binds
+# (vLLM's default; nothing here replays).
+DYNAMO_BUFFER_STEPS = 10_000
 # A 24-block cache against six clients whose prompts and outputs need up
 # to 8 blocks each, so blocks are evicted all the time; one sequence per
 # client.
@@ -391,16 +400,36 @@ class Scenario:
 
 
 def run(policy: str, label: str, args: argparse.Namespace) -> dict[str, Any]:
+    # Dynamo's indexer subscribes to the engine: the publisher binds.
+    replay = None
+    if args.dynamo_python is not None:
+        run_dir = tempfile.mkdtemp(prefix="kv-load-")
+        replay = Replay(
+            f"ipc://{run_dir}/kv-events",
+            f"tcp://127.0.0.1:{server_scenario.free_port()}",
+            DYNAMO_BUFFER_STEPS,
+        )
     server = Server.from_args(
         "cpu",
         policy,
         args.log_dir / f"serve-load-{label}-{policy}.log",
         args,
         EXTRA,
+        replay,
     )
     started = time.monotonic()
     scenario = Scenario(server, args)
+    indexer = None
     try:
+        if replay is not None:
+            indexer = Indexer(
+                args.dynamo_python,
+                replay.endpoint,
+                BLOCK,
+                args.log_dir / f"dynamo-{label}.log",
+            )
+            time.sleep(server_scenario.SUBSCRIBE_SETTLE_S)
+            scenario.predictors["dynamo"] = indexer.predict
         scenario.quiesce()
         scenario.load(args.jobs)
         last = scenario.probes("after load 1")
@@ -413,13 +442,15 @@ def run(policy: str, label: str, args: argparse.Namespace) -> dict[str, Any]:
     except (SetupError, urllib.error.URLError, OSError) as e:
         raise SetupError(f"{label} {policy}: {server.failure(e)}") from e
     finally:
+        if indexer is not None:
+            indexer.close()
         scenario.close()
         server.close()
     r = scenario.run
     view = scenario.live.view
     wrong = {
         m: [p for p in r.probes if p["predicted"][m] != p["served"]]
-        for m in ("set", "counting")
+        for m in ("set", "counting", *scenario.predictors)
     }
     return {
         "label": label,
@@ -483,6 +514,13 @@ def parse_args(
     ap.add_argument("--probes", type=int, default=probes, help="probes per quiesce")
     server_scenario.add_server_args(ap, request_timeout_s=60.0, quiet_s=0.3)
     ap.add_argument("--out", type=Path, help="record the run in this JSON list")
+    ap.add_argument(
+        "--dynamo-python",
+        type=Path,
+        help="also predict each probe with Dynamo's standalone KV indexer "
+        "(this python's venv holds relay_scenario.DYNAMO) on the engine's "
+        "stream (recovery_scenario: also one behind the relay)",
+    )
     args = ap.parse_args(argv)
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=f"{ap.prog}-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -528,13 +528,6 @@ def main(argv: list[str] | None = None) -> int:
         help="run the consumers in this python's venv, the standalone consumer "
         "wheel's (overlay_harness.consumer_host)",
     )
-    ap.add_argument(
-        "--dynamo-python",
-        type=Path,
-        help="also run Dynamo's KV indexer (this python's venv has "
-        "ai-dynamo-runtime) behind the reference consumer's relay and, the "
-        "control, on the engine's stream itself (relay_scenario)",
-    )
     args = load_scenario.parse_args(ap, argv, jobs=10, probes=8)
     started = time.monotonic()
     try:

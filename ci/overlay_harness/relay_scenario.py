@@ -1,4 +1,7 @@
-"""A router that speaks no recovery protocol, NVIDIA Dynamo's standalone KV
+"""Routers other than the reference consumer, on the live server of
+``recovery_scenario``.
+
+A router that speaks no recovery protocol, NVIDIA Dynamo's standalone KV
 indexer (``python -m dynamo.indexer`` from ``DYNAMO``, installed from the
 package index), on the live server of ``recovery_scenario``: one indexer
 behind the reference consumer's relay (``kv_events_consumer --relay``),
@@ -14,11 +17,21 @@ replay buffer), restarts the engine, then restarts the relay, and probes
 after each: each indexer's answer to ``/query`` for a probe's tokens,
 capped as vLLM caps a hit, is its prediction (``predictors``), recorded
 beside the server's ``cached_tokens``.
+
+A router in a second language: the JavaScript follower written from
+docs/snapshot-protocol.md alone (``docs/examples/js-follower``: Node.js
+with ``zeromq`` and ``@msgpack/msgpack`` from the npm registry, as its
+``package-lock.json`` pins them), behind the same link as the relay, so it
+sees the same late start, lost phase and engine restart; it answers each
+probe's prefix match on its stdin (``JsFollower``).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import shutil
 import subprocess
 import threading
 import time
@@ -32,6 +45,7 @@ import zmq
 from overlay_harness import server_scenario
 from overlay_harness.consumer_host import Cli
 from overlay_harness.server_scenario import SetupError
+from vllm_overlay.paths import default_layout
 from vllm_overlay.venv import tool_venv
 
 # The standalone indexer of Dynamo's KV router, and its runtime.
@@ -43,6 +57,10 @@ READY_WITHIN_S = 60.0
 # applied it (an in-process queue; milliseconds, seen here).
 APPLIED_WITHIN_S = 0.3
 CAUGHT_UP_WITHIN_S = 60.0
+JS_FOLLOWER = Path(__file__).resolve().parents[2] / "docs" / "examples" / "js-follower"
+# A prefix match of the JavaScript follower: a status round trip, then the
+# live batches up to it.
+JS_ANSWER_WITHIN_S = 30.0
 
 
 def dynamo_python(cache: Path, log: Path) -> Path:
@@ -52,17 +70,26 @@ def dynamo_python(cache: Path, log: Path) -> Path:
 
 
 class Indexer:
-    """Dynamo's standalone KV indexer, following one engine's stream at
-    ``endpoint`` as worker ``WORKER``, answering on a free local port."""
+    """Dynamo's standalone KV indexer, following the engine's stream at
+    ``endpoint`` as worker ``WORKER`` (and, for a fleet, ``more`` engines'
+    as workers ``WORKER + 1``, ...), answering on a free local port."""
 
-    def __init__(self, python: Path, endpoint: str, block_size: int, log: Path) -> None:
+    def __init__(
+        self,
+        python: Path,
+        endpoint: str,
+        block_size: int,
+        log: Path,
+        more: tuple[str, ...] = (),
+    ) -> None:
+        workers = ",".join(f"{WORKER + i}={e}" for i, e in enumerate((endpoint, *more)))
         self.block_size = block_size
         self.base = f"http://127.0.0.1:{server_scenario.free_port()}"
         self._log = log.open("wb")
         self.process = subprocess.Popen(
             [str(python), "-m", "dynamo.indexer", "--threads", "1"]
             + ["--port", self.base.rsplit(":", 1)[1], "--block-size", str(block_size)]
-            + ["--workers", f"{WORKER}={endpoint}"],
+            + ["--workers", workers],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
@@ -87,18 +114,25 @@ class Indexer:
         )
 
     def predict(self, prompt: list[int]) -> int:
-        """Tokens of ``prompt`` the indexer says the engine holds, capped as
-        vLLM caps a hit (whole blocks, never the last prompt token)."""
+        """Tokens of ``prompt`` the indexer says the engine holds, once it
+        has had the time to apply what reached it, capped as vLLM caps a
+        hit (whole blocks, never the last prompt token)."""
+        time.sleep(APPLIED_WITHIN_S)
+        tokens = self.matched(prompt).get(WORKER, 0)
+        blocks = min(tokens // self.block_size, (len(prompt) - 1) // self.block_size)
+        return blocks * self.block_size
+
+    def matched(self, token_ids: list[int]) -> dict[int, int]:
+        """``/query``: per worker, the leading tokens of ``token_ids`` it
+        holds (data-parallel rank 0)."""
         request = urllib.request.Request(
             self.base + "/query",
-            data=json.dumps({"token_ids": prompt, "model_name": "default"}).encode(),
+            data=json.dumps({"token_ids": token_ids, "model_name": "default"}).encode(),
             headers={"content-type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=10) as r:
             scores = json.load(r)["scores"]
-        tokens = int(scores.get(str(WORKER), {}).get("0", 0))
-        blocks = min(tokens // self.block_size, (len(prompt) - 1) // self.block_size)
-        return blocks * self.block_size
+        return {int(w): int(ranks.get("0", 0)) for w, ranks in scores.items()}
 
     def close(self) -> None:
         self.process.terminate()
@@ -168,9 +202,14 @@ class Relayed:
         self.direct = Indexer(
             dynamo, self._live, block_size, log_dir / "dynamo-direct.log"
         )
+        modules = js_follower_modules(default_layout().cache, log_dir / "npm-ci.log")
+        self.js = JsFollower(
+            modules, self.link.endpoint, self._replay, block_size, log_dir / "js"
+        )
         self.predictors = {
             "dynamo_behind_relay": self._predict_behind_relay,
-            "dynamo_direct": self._predict_direct,
+            "dynamo_direct": self.direct.predict,
+            "js_follower": self.js.predict,
         }
         self._engine_next_seq: Callable[[], int] = lambda: 0
 
@@ -192,8 +231,8 @@ class Relayed:
         self._engine_next_seq = next_seq
 
     def caught_up(self) -> None:
-        """Until the relay follows the engine, synced, up to its last batch,
-        and the indexer has had the time to apply what it forwarded."""
+        """Until the relay follows the engine, synced, up to its last
+        batch."""
         target = self._engine_next_seq()
         deadline = time.monotonic() + CAUGHT_UP_WITHIN_S
         seen = len(self.relay.states)
@@ -205,15 +244,10 @@ class Relayed:
             if time.monotonic() > deadline or self.relay.process.poll() is not None:
                 raise SetupError(f"the relay did not catch up to seq {target}: {last}")
             time.sleep(0.05)
-        time.sleep(APPLIED_WITHIN_S)
 
     def _predict_behind_relay(self, prompt: list[int]) -> int:
         self.caught_up()
         return self.behind_relay.predict(prompt)
-
-    def _predict_direct(self, prompt: list[int]) -> int:
-        time.sleep(APPLIED_WITHIN_S)
-        return self.direct.predict(prompt)
 
     def restart_relay(self) -> None:
         self.relay.process.terminate()
@@ -223,10 +257,113 @@ class Relayed:
     def close(self, keys: int) -> dict[str, Any]:
         figures = {
             "dynamo": DYNAMO,
+            "witness_keys": keys,
             "link_lost": self.link.lost,
             "relays": [cli.close(keys) for cli in self.relays],
+            "js_follower": self.js.close(),
         }
         self.behind_relay.close()
         self.direct.close()
         self.link.close()
         return figures
+
+
+def js_follower_modules(cache: Path, log: Path) -> Path:
+    """The ``node_modules`` of the JavaScript follower, installed by ``npm
+    ci`` from its lock file (install scripts off: the ``zeromq`` package
+    carries its compiled addon), under ``cache``, keyed by the lock file."""
+    lock = (JS_FOLLOWER / "package-lock.json").read_bytes()
+    env = cache / f"js-follower-{hashlib.sha256(lock).hexdigest()[:16]}"
+    stamp = env / ".complete"
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with (env.parent / f"{env.name}.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if not stamp.exists():
+            shutil.rmtree(env, ignore_errors=True)
+            env.mkdir()
+            for name in ("package.json", "package-lock.json"):
+                shutil.copy(JS_FOLLOWER / name, env / name)
+            with log.open("wb") as out:
+                done = subprocess.run(
+                    ["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund"],
+                    cwd=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            if done.returncode:
+                raise SetupError(f"npm ci failed in {env}: see {log}")
+            stamp.touch()
+    return env / "node_modules"
+
+
+class JsFollower:
+    """``docs/examples/js-follower/follower.mjs`` under Node.js, its state
+    lines kept, its prefix matches asked on stdin."""
+
+    def __init__(
+        self, modules: Path, endpoint: str, replay: str, block_size: int, run_dir: Path
+    ) -> None:
+        self.block_size = block_size
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(JS_FOLLOWER / "follower.mjs", run_dir / "follower.mjs")
+        (run_dir / "node_modules").symlink_to(modules)
+        self.process = subprocess.Popen(
+            ["node", "follower.mjs", "--endpoint", endpoint]
+            + ["--replay-endpoint", replay, "--interval", "0.5"],
+            cwd=run_dir,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.states: list[dict[str, Any]] = []
+        self.anomalies: list[str] = []
+        self._answers: list[int] = []
+        self._answered = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None  # narrows type for mypy
+        for line in self.process.stdout:
+            if line.startswith("anomaly: "):
+                self.anomalies.append(line.removeprefix("anomaly: ").strip())
+                continue
+            message = json.loads(line)
+            if "match" in message:
+                with self._answered:
+                    self._answers.append(message["match"])
+                    self._answered.notify()
+            else:
+                self.states.append(message)
+
+    def predict(self, prompt: list[int]) -> int:
+        """Its prefix match of ``prompt`` once caught up with the engine,
+        capped as vLLM caps a hit."""
+        assert self.process.stdin is not None  # narrows type for mypy
+        self.process.stdin.write(json.dumps({"match": prompt}) + "\n")
+        self.process.stdin.flush()
+        with self._answered:
+            if not self._answered.wait_for(lambda: self._answers, JS_ANSWER_WITHIN_S):
+                raise SetupError(
+                    f"the JavaScript follower did not answer within "
+                    f"{JS_ANSWER_WITHIN_S:g} s: {self.states[-1:]}"
+                )
+            blocks = self._answers.pop(0)
+        return min(blocks, (len(prompt) - 1) // self.block_size) * self.block_size
+
+    def close(self) -> dict[str, Any]:
+        running = self.process.poll() is None
+        self.process.terminate()
+        exit_code = self.process.wait(30)
+        self._reader.join(10)
+        return {
+            "running_until_stopped": running,
+            "exit_code": exit_code,
+            "state_lines": len(self.states),
+            "stale_lines": sum(s["stale_since"] is not None for s in self.states),
+            "synced_epochs": list(
+                dict.fromkeys(s["epoch"] for s in self.states if s["synced"])
+            ),
+            "anomalies": self.anomalies,
+            "last": self.states[-1] if self.states else {},
+        }
