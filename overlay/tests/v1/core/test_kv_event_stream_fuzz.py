@@ -48,7 +48,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.kv_events import KV_EVENTS_COPY_SEMANTICS, KVEventsConfig
-from vllm.distributed.kv_events_consumer import COPY_SEMANTICS
+from vllm.distributed.kv_events_consumer import COPY_SEMANTICS, CompactMirror, Mirror
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -188,18 +188,21 @@ def make_scheduler(model_dir: str, config: str, policy: str) -> Scheduler:
 
 
 class Tap:
-    """Stands in for the event publisher: every batch goes to both mirrors."""
+    """Stands in for the event publisher: every batch goes to both mirrors,
+    and to the reference consumer's ``Mirror`` and ``CompactMirror``."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str) -> None:
         self.set = SetMirror()
         self.count = CountMirror()
+        self.full = Mirror(policy)
+        self.compact = CompactMirror(policy)
         self.last_events: list = []
 
     def publish(self, batch) -> None:
         self.last_events = list(batch.events)
         for event in batch.events:
-            self.set.apply(event)
-            self.count.apply(event)
+            for mirror in (self.set, self.count, self.full, self.compact):
+                mirror.apply(event)
 
     def shutdown(self) -> None:
         return
@@ -248,7 +251,7 @@ class Run:
         self.report_full = 0.2 if report_full else 0.0
         self.rng = random.Random(seed)
         self.scheduler = make_scheduler(model_dir, config, policy)
-        self.tap = Tap()
+        self.tap = Tap(policy)
         self.scheduler.kv_event_publisher = self.tap
         self.pools = {"GPU": [self.scheduler.kv_cache_manager.block_pool]}
         self.offload = None
@@ -410,10 +413,35 @@ class Run:
                     f"{dict(count_m.counts - want)}, below by "
                     f"{dict(want - count_m.counts)}"
                 )
+        problems += self.compact_problems()
         assert not problems, (
             f"{where}: {'; '.join(p[:300] for p in problems)}\n"
             f"this step's events: {self.tap.last_events}"
         )
+
+    def compact_problems(self) -> list[str]:
+        """Where the compact mirror a fleet follower keeps differs from the
+        full one: held keys, unknown removals, a family prompt's match."""
+        full, compact = self.tap.full, self.tap.compact
+        problems = []
+        if compact.held_keys() != full.held_keys():
+            problems.append(
+                f"compact mirror: extra {compact.held_keys() - full.held_keys()}, "
+                f"missing {full.held_keys() - compact.held_keys()}"
+            )
+        if len(compact.unknown_removals) != len(full.unknown_removals):
+            problems.append(
+                f"compact mirror: {len(compact.unknown_removals)} unknown "
+                f"removals, the full one {len(full.unknown_removals)}"
+            )
+        for prompt in self.families:
+            got, want = (
+                {tier: n for tier, n in m.match(prompt).items() if n}
+                for m in (compact, full)
+            )
+            if got != want:
+                problems.append(f"compact mirror: matched {got}, the full one {want}")
+        return problems
 
     def run(self, steps: int) -> Coverage:
         """``steps`` steps, then more, up to ``EXTRA_STEPS_BOUND`` times as
