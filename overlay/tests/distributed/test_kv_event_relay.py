@@ -81,17 +81,20 @@ class Router:
 
 
 class Driven:
-    """A relay driven as its CLI drives it, in a thread of its own."""
+    """A relay driven as its CLI drives it, in a thread of its own; holding
+    ``paused`` stops it between two turns."""
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
         self.stop = threading.Event()
+        self.paused = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            self.relay.follow(0.05, 0.2)
+            with self.paused:
+                self.relay.follow(0.05, 0.2)
 
     def close(self) -> None:
         self.stop.set()
@@ -110,6 +113,17 @@ class LosesLiveBatches(Relay):
             self.lose -= 1
         else:
             super().on_live(seq, payload)
+
+
+def relay_on(live: str, replay: str, out: str) -> Relay:
+    """A relay on ``out``, which the last one just closed (ZMQ releases it
+    in the background)."""
+    for _ in range(50):
+        try:
+            return Relay(live, replay, out)
+        except zmq.ZMQError:
+            time.sleep(0.1)
+    raise AssertionError(f"{out} stayed in use")
 
 
 def converge(routers, hashes, what: str) -> None:
@@ -158,12 +172,16 @@ def test_a_router_behind_the_relay_holds_the_engines_keys_through_recoveries():
         routers.append(Router(out))
         converge(routers, {1, 2, 3, 6, 7}, "a router's late subscription")
 
-        # Far more batches lost than the publisher buffers for replay.
+        # Far more batches lost than the publisher buffers for replay, all
+        # sent while the relay is paused, so that it sees the gap only
+        # once it is past the buffer.
         assert isinstance(driven.relay, LosesLiveBatches)
-        driven.relay.lose = 2 * BUFFER_STEPS + 1
-        _stores(pub, range(100, 100 + 2 * BUFFER_STEPS))
-        pub.publish(removed(1, 2, 3))
-        _stores(pub, (8,))
+        with driven.paused:
+            driven.relay.lose = 2 * BUFFER_STEPS + 1
+            _stores(pub, range(100, 100 + 2 * BUFFER_STEPS))
+            pub.publish(removed(1, 2, 3))
+            _stores(pub, (8,))
+            time.sleep(0.5)  # they reach the relay's SUB socket
         held = {6, 7, 8, *range(100, 100 + 2 * BUFFER_STEPS)}
         converge(routers, held, "a gap past the replay buffer")
         assert driven.relay.stats.recoveries["snapshot"] >= 2
@@ -177,7 +195,8 @@ def test_a_router_behind_the_relay_holds_the_engines_keys_through_recoveries():
         # A relay restart on the same endpoint: its seq goes on above the
         # last relay's, which the routers saw.
         driven.close()
-        driven = Driven(Relay(live, replay, out))
+        driven = None
+        driven = Driven(relay_on(live, replay, out))
         pub.publish(removed(20))
         converge(routers, {21, 22}, "a relay restart")
     finally:

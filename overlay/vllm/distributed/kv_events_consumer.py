@@ -1121,16 +1121,22 @@ class Relay(Follower):
         topic: str = "",
         **options: Any,
     ) -> None:
-        options["mirror"] = Mirror()
-        super().__init__(endpoint, replay_endpoint, topic=topic, **options)
-        self._topic = topic.encode()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._pub = self._ctx.socket(zmq.XPUB)
+        # Bound first: an endpoint in use fails before any socket is open.
+        ctx = options.setdefault("context", zmq.Context.instance())
+        self._pub = ctx.socket(zmq.XPUB)
         # Every subscription, also a second one to the same topic: each new
         # router is sent the view.
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.setsockopt(zmq.SNDHWM, self.SNDHWM)
-        self._pub.bind(publish_endpoint)
+        try:
+            self._pub.bind(publish_endpoint)
+        except zmq.ZMQError:
+            self._pub.close(linger=0)
+            raise
+        options["mirror"] = Mirror()
+        super().__init__(endpoint, replay_endpoint, topic=topic, **options)
+        self._topic = topic.encode()
+        self._encoder = msgspec.msgpack.Encoder()
         self.publish_endpoint = publish_endpoint
         self.out_seq = time.time_ns() // 1000
         self.published = Counter[str]()
