@@ -192,6 +192,7 @@ class Recovery:
         self.restart: dict[str, Any] | None = None
         self.clis: list[Cli] = []
         self.relayed: Relayed | None = None
+        self.relay_figures: dict[str, Any] | None = None
 
     def start(self) -> tuple[Server, Scenario]:
         self.servers += 1
@@ -393,6 +394,15 @@ class Recovery:
             if load_done.wait(GAP_EVERY_S):
                 return
 
+    def close_relayed(self, scenario: Scenario) -> None:
+        """Stop the relay and the routers behind it, once, while the server
+        still runs (their last state is then the engine's); what they
+        showed goes into ``relay_figures``."""
+        if self.relayed is not None and self.relay_figures is None:
+            with scenario.live.lock:
+                keys = len(scenario.live.view.set.keys)
+            self.relay_figures = self.relayed.close(keys)
+
     def run(self) -> dict[str, Any]:
         server, scenario = self.start()
         try:
@@ -431,9 +441,11 @@ class Recovery:
                 with scenario.live.lock:
                     keys = len(scenario.live.view.set.keys)
                 self.restart = {"down_s": round(down_s, 1), "cli": cli.close(keys)}
+            self.close_relayed(scenario)
         except (SetupError, urllib.error.URLError, OSError) as e:
             raise SetupError(f"{self.args.label}: {server.failure(e)}") from e
         finally:
+            self.close_relayed(scenario)
             scenario.close()
             server.close()
             figures = {
@@ -447,11 +459,6 @@ class Recovery:
             for cli in self.clis:
                 if cli.process.poll() is None:
                     cli.process.kill()
-            relay = None
-            if self.relayed is not None:
-                with scenario.live.lock:
-                    keys = len(scenario.live.view.set.keys)
-                relay = self.relayed.close(keys)
             self.witness.close()
         # A consumer predicts the probes made after it joined.
         names = [*self.consumers, *(self.relayed.predictors if self.relayed else ())]
@@ -479,7 +486,7 @@ class Recovery:
             "during": self.during,
             "record_rebuild": self.record_rebuild,
             "restart": self.restart,
-            "relay": relay,
+            "relay": self.relay_figures,
             "consumers": figures,
             "silences_after_recovery": self.silences(figures),
         }
