@@ -5,8 +5,11 @@
 // that shows batches it never got; while the engine does not answer, mark
 // the view stale and try again after a pause, for as long as it takes.
 //
-//   npm ci && node follower.mjs --endpoint tcp://HOST:5557 \
+//   npm ci --ignore-scripts && node follower.mjs --endpoint tcp://HOST:5557 \
 //       --replay-endpoint tcp://HOST:6557
+//
+// (--ignore-scripts: the zeromq package carries its compiled addon; its
+// install script would only try a source build, which downloads.)
 //
 // Prints a JSON state line every --interval seconds. Reads JSON lines on
 // stdin: {"match": [token ids]} answers {"match": N}, the leading full

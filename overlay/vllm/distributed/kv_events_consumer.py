@@ -441,9 +441,6 @@ class CompactMirror:
         """Held keys."""
         return sum(len(held) for held in self._held.values())
 
-    def held(self, key: MirrorKey) -> bool:
-        return key[2] in self._held.get(key[:2], {})
-
     def held_keys(self) -> set[MirrorKey]:
         return {(*tier, h) for tier, held in self._held.items() for h in held}
 
@@ -459,16 +456,6 @@ class CompactMirror:
                 ),
             )
             for tier, size in self._size.items()
-        }
-
-    def summary(self) -> dict[str, dict[str, int]]:
-        """Per tier: held keys, and their copies where the view counts."""
-        return {
-            f"{medium}/{group}": {"keys": len(held), "copies": sum(held.values())}
-            for (medium, group), held in sorted(
-                self._held.items(), key=lambda item: repr(item[0])
-            )
-            if held
         }
 
 
