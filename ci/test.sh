@@ -12,6 +12,7 @@ cold=yes
 # after "What ci/test.sh runs"); the background lane sets lane itself.
 steps=build/ci-run-steps.tsv
 junit=build/ci-run-project-tests.xml
+walkthrough_junit=build/ci-run-walkthrough.xml
 lane=main
 mark() { printf '%s\t%s\t%s\n' "$(date +%s)" "$lane" "$*" >>"$steps"; }
 step() {
@@ -32,7 +33,7 @@ finish() {
   [[ -z $disk_sampler ]] || kill "$disk_sampler" 2>/dev/null || true
   sample_disk
   PYTHONPATH=ci python3 -m overlay_harness.ci_run record --steps "$steps" \
-    --junit "$junit" --disk "$disk" --cache .cache \
+    --junit "$junit" --junit "$walkthrough_junit" --disk "$disk" --cache .cache \
     --started "$started" --cold "$cold" --status "$status" \
     --out build/ci-run.json >/dev/null ||
     echo "warning: no build/ci-run.json; the run's outcome is unchanged" >&2
@@ -54,7 +55,7 @@ need_gib=40
 prerequisites "$need_gib" quilt patch git shellcheck nodejs npm
 mkdir -p build
 : >"$steps"
-rm -f "$junit" build/ci-run.json
+rm -f "$junit" "$walkthrough_junit" build/ci-run.json
 : >"$disk"
 trap finish EXIT
 # Stops with this script, also when it is killed before finish can run.
@@ -64,6 +65,9 @@ trap finish EXIT
 done) >/dev/null 2>&1 &
 disk_sampler=$!
 
+# Every check that needs no build, first: a typo fails in seconds.
+step "lint: series, DEP-3 headers, versions, doc links, ruff, mypy, shellcheck"
+ci/overlay lint
 step "build"
 ./build.sh
 for t in "${targets[@]}"; do
@@ -73,23 +77,20 @@ done
 wheel=$(ls dist/vllm-*.whl)
 step "test environment with $(basename "$wheel")"
 python=$(PYTHONPATH=ci python3 -m overlay_harness.testenv "$wheel")
-step "lint: series, DEP-3 headers, ruff, mypy, shellcheck"
-ci/overlay lint
-"$python" -m ruff check ci tests
-"$python" -m ruff format --check ci tests
+step "lint against the builds: mypy on the harness and benchmarks, ruff on upstream's files"
+# the harness and benchmarks against the engine they drive
 "$python" -m mypy
-shellcheck -x build.sh ci/*.sh ci/overlay ci/bench/*.sh .ci/run
 # upstream files: in a venv with only the ruff upstream pins (.cache/ruff-env-*)
 ci/overlay lint-upstream build/tree
 for t in "${targets[@]}"; do
-  ci/overlay --target "$t" lint
   ci/overlay --target "$t" lint-upstream "build/targets/$t/tree"
 done
-# Upstream's tests (two pytest workers) and the benchmark smoke run beside
-# the project tests, whose servers, builds and downloads leave a core idle
-# for much of their half hour; their log is printed once both are done.
+# Upstream's tests (two pytest workers), the maintainer guide's walkthrough
+# (the longest project test module) and the benchmark smoke run beside the
+# other project tests, whose servers, builds and downloads leave a core idle
+# for much of their run; their log is printed once both lanes are done.
 background=$(mktemp -d)
-step "in the background: upstream tests and the overlay's new tests, then the benchmark smoke"
+step "in the background: upstream tests and the overlay's new tests, the walkthrough, the benchmark smoke"
 mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
 (
   set -e
@@ -98,6 +99,8 @@ mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
   PYTHONPATH=ci "$python" -m overlay_harness.upstream_tests check -q \
     --tree build/tree --python "$python" --baseline ci/upstream-baseline.json \
     --extra "${new_tests[@]}" --expected ci/overlay-tests.txt
+  step "project tests: tests/test_walkthrough.py"
+  "$python" -m pytest tests/test_walkthrough.py --junitxml "$walkthrough_junit"
   step "benchmark smoke: ci/bench/run_all.py --quick (figures not checked)"
   mkdir "$background/smoke"
   "$python" ci/bench/run_all.py --quick --patched-tree build/tree \
@@ -106,9 +109,10 @@ mapfile -t new_tests < <(cd overlay && find tests -name 'test_*.py' | sort)
   mark end
 ) >"$background/log" 2>&1 &
 upstream_step=$!
-step "project tests"
+step "project tests but the walkthrough"
 project_status=0
-"$python" -m pytest tests --junitxml "$junit" || project_status=$?
+"$python" -m pytest tests --ignore tests/test_walkthrough.py --junitxml "$junit" ||
+  project_status=$?
 upstream_status=0
 wait "$upstream_step" || upstream_status=$?
 step "the background steps' log"

@@ -24,27 +24,15 @@ import pytest
 
 from conftest import REPO, load_bench
 from overlay_harness import ci_run, seed_scenario
+from vllm_overlay import lint
 
 ROOT = REPO.root
 BENCH_DOCS = ROOT / "docs" / "benchmarks"
 RENDERED = ("README.md", "dup_first.md", "hit_lookup.md")
-# Written by a command, so checked against their sources elsewhere or
-# rendered; the CHANGELOG records what runs showed at the time.
-NOT_HAND_WRITTEN = {
-    "CHANGELOG.md",
-    "docs/mutation.md",
-    "docs/upstream-not-run-on-cpu.md",
-}
 
 
 def hand_written() -> dict[str, str]:
-    docs = [ROOT / "README.md", ROOT / "SECURITY.md", *(ROOT / "docs").rglob("*.md")]
-    return {
-        rel: p.read_text()
-        for p in docs
-        if (rel := p.relative_to(ROOT).as_posix()) not in NOT_HAND_WRITTEN
-        and not rel.startswith("docs/benchmarks/")
-    }
+    return lint.hand_written_docs(ROOT)
 
 
 def flat(text: str) -> str:
@@ -295,27 +283,8 @@ def test_readme_names_the_ci_command() -> None:
     assert re.search(r"^\./build\.sh\s", readme, re.M)
 
 
-def _anchor(title: str) -> str:
-    """GitHub's heading anchor: lower case, punctuation dropped, spaces to -."""
-    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
-
-
 def test_links_between_docs_resolve() -> None:
-    docs = {**hand_written(), "CHANGELOG.md": (ROOT / "CHANGELOG.md").read_text()}
-    broken = []
-    for rel, text in docs.items():
-        here = (ROOT / rel).parent
-        for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"\w+://", target):
-                continue
-            path, _, anchor = target.partition("#")
-            file = (here / path).resolve() if path else ROOT / rel
-            if not file.exists():
-                broken.append(f"{rel}: {target}")
-            elif anchor and file.suffix == ".md":
-                titles = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
-                if anchor not in {_anchor(t) for t in titles}:
-                    broken.append(f"{rel}: {target}")
+    broken = lint.broken_links(ROOT)
     assert not broken, f"links to nothing: {broken}"
 
 

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from conftest import REPO
+from vllm_overlay import lint
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import load_pin
@@ -49,17 +53,17 @@ def test_bad_pin_names_the_key(
     assert str(checkout.pin) in e.value.what
 
 
-def test_the_submodule_tracks_the_pinned_tag() -> None:
+def test_the_submodule_tracks_the_pinned_tag(tmp_path: Path) -> None:
     """``.gitmodules`` names the release pin.toml pins, not the one before
-    (a rebase that forgot it leaves the submodule on the old branch)."""
-    pin = load_pin(REPO.pin)
-    gitmodules = (REPO.root / ".gitmodules").read_text()
-    branches = [
-        line.split("=", 1)[1].strip()
-        for line in gitmodules.splitlines()
-        if line.strip().startswith("branch")
+    (a rebase that forgot it leaves the submodule on the old branch); the
+    check (``ci/overlay lint``) fails on the release before."""
+    assert lint.stale_version_problems(REPO.root) == []
+    shutil.copy(REPO.pin, tmp_path / "pin.toml")
+    gitmodules = tmp_path / ".gitmodules"
+    tag = load_pin(REPO.pin).tag
+    text = (REPO.root / ".gitmodules").read_text()
+    gitmodules.write_text(text.replace(f"branch = {tag}", "branch = v0.33.0"))
+    assert lint.stale_version_problems(tmp_path) == [
+        f"{gitmodules} tracks ['v0.33.0'], pin.toml pins {tag}: set "
+        f'`branch = {tag}` under [submodule "upstream"]'
     ]
-    assert branches == [pin.tag], (
-        f".gitmodules tracks {branches}, pin.toml pins {pin.tag}: "
-        f'set `branch = {pin.tag}` under [submodule "upstream"] in .gitmodules'
-    )

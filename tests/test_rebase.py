@@ -22,7 +22,7 @@ from conftest import (
     make_patch,
     write_series,
 )
-from vllm_overlay import adopt, apply, gate, rebase, series, workspace
+from vllm_overlay import adopt, apply, gate, lint, rebase, series, workspace
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
@@ -259,6 +259,22 @@ def test_adopt_replaces_exactly_one_target(project: Path, target: str) -> None:
     assert f"new file: {layout.overlay.relative_to(project).as_posix()}/added.py" in out
     assert "git add -A --" in out
     assert not list(project.rglob("*.adopt-*"))
+
+
+def test_adopt_moves_the_submodule_with_the_main_pin(project: Path) -> None:
+    """``.gitmodules`` tracks the adopted pin's tag (``ci/overlay lint``
+    fails otherwise), and the commit line takes it along."""
+    layout = Layout(project, "")
+    gitmodules = project / ".gitmodules"
+    tag = load_pin(layout.pin).tag
+    gitmodules.write_text(gitmodules.read_text().replace(tag, "v0.0.1"))
+    assert lint.stale_version_problems(project)
+    _rebase_result(layout)
+    out = adopt.adopt(layout, VERSION)
+    assert lint.stale_version_problems(project) == []
+    assert out.rstrip("`").endswith(
+        "ci/overlay-tests.txt .gitmodules && git commit -q -m 'Rebase onto vLLM 9.9.9'"
+    )
 
 
 def test_adopt_refuses_uncommitted_changes_in_what_it_replaces(project: Path) -> None:

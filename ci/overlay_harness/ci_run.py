@@ -81,14 +81,19 @@ def timed_steps(rows: list[Row], started: float) -> list[dict[str, Any]]:
     return steps
 
 
-def slowest_modules(junit: Path) -> list[dict[str, Any]]:
-    """The test modules that took longest, with their summed test times."""
-    try:
-        root = ET.parse(junit).getroot()
-    except (OSError, ET.ParseError) as e:
-        raise ReportError(f"{junit}: not a JUnit XML file pytest wrote ({e})") from e
+def slowest_modules(junits: list[Path]) -> list[dict[str, Any]]:
+    """The test modules that took longest, with their summed test times,
+    over the JUnit files of the lanes' pytest runs."""
+    cases = []
+    for junit in junits:
+        try:
+            cases += ET.parse(junit).getroot().iter("testcase")
+        except (OSError, ET.ParseError) as e:
+            raise ReportError(
+                f"{junit}: not a JUnit XML file pytest wrote ({e})"
+            ) from e
     per_module: dict[str, float] = defaultdict(float)
-    for case in root.iter("testcase"):
+    for case in cases:
         # "tests.test_docs" or "tests.test_docs.TestClass": the module is
         # the path up to the first test_ part.
         parts = case.get("classname", "").split(".")
@@ -135,7 +140,7 @@ def tree_gib(root: Path) -> float:
 
 def record(
     steps: Path,
-    junit: Path | None,
+    junits: list[Path],
     disk: Path,
     cache: Path,
     started: float,
@@ -154,9 +159,7 @@ def record(
         "passed": status == 0,
         "total_s": round(max(at for at, _, _ in rows) - started, 1),
         "steps": timed_steps(rows, started),
-        "slowest_test_modules": (
-            slowest_modules(junit) if junit and junit.exists() else []
-        ),
+        "slowest_test_modules": slowest_modules([j for j in junits if j.exists()]),
         "disk": {**read_disk(disk), "cache_gib": tree_gib(cache)},
     }
 
@@ -208,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="write the report of a ci/test.sh run")
     rec.add_argument("--steps", type=Path, required=True)
-    rec.add_argument("--junit", type=Path)
+    rec.add_argument(
+        "--junit", type=Path, action="append", default=[], help="one per pytest run"
+    )
     rec.add_argument("--disk", type=Path, required=True)
     rec.add_argument("--cache", type=Path, required=True)
     rec.add_argument("--started", type=float, required=True)

@@ -57,6 +57,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, Literal
 
+from vllm_overlay.venv import requirement_text
+
 Outcome = Literal["passed", "failed", "error", "skipped", "xfailed"]
 
 BASELINE_FORMAT: Final = 1
@@ -161,8 +163,8 @@ def recorded_distributions(requirements: Path = TEST_REQUIREMENTS) -> list[str]:
     pinned test requirement."""
     names = [
         re.split(r"[=<>!~ \[;]", line.strip(), maxsplit=1)[0]
-        for line in requirements.read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
+        for line in requirement_text(requirements).splitlines()
+        if line.strip() and not line.lstrip().startswith(("#", "-"))
     ]
     return [*ENGINE_DISTRIBUTIONS, *names]
 

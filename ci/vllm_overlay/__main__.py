@@ -23,6 +23,7 @@ from vllm_overlay import (
     dist,
     fetch,
     gate,
+    lint,
     manifest,
     notice,
     overlay,
@@ -239,19 +240,7 @@ def _build(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
-    problems = [
-        f"{patch.path}: {problem}"
-        for patch in series.load_series(layout.patches)
-        for problem in series.header_problems(patch) + series.diff_problems(patch)
-    ]
-    if problems:
-        raise OverlayError(
-            "\n".join(problems),
-            f"fill in the DEP-3 headers; fix diffs in `{layout.command} "
-            f"workspace`, then `{layout.command} export` (docs/maintainers.md, "
-            "recipe 2)",
-        )
-    return "series ok"
+    return lint.lint(layout)
 
 
 def cmd_lint_upstream(layout: Layout, args: argparse.Namespace) -> str:
@@ -453,7 +442,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("tree", type=Path)
     p.add_argument("--wheel", type=Path, required=True, help="its engine wheel")
-    add("lint", cmd_lint, "check the series and its DEP-3 headers")
+    add("lint", cmd_lint, "every check that needs no build (docs/testing.md)")
     p = add("workspace", cmd_workspace, "the series as git commits in build/workspace")
     p.add_argument("--upto", metavar="PATCH", help="stop after this patch")
     p.add_argument(

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from vllm_overlay import workspace
+from vllm_overlay import source, workspace
 from vllm_overlay.dist import remove_path
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
@@ -175,11 +175,16 @@ def adopt(layout: Layout, version: str) -> str:
         )
     replace(layout, sources)
     root = layout.root
-    stat = _git(root, "diff", "--stat=200", *specs)
-    new = _git(root, "ls-files", "--others", "--exclude-standard", *specs).split()
     # The overlay tests' node ids may have moved with the rebase (the gate
-    # said which); they are committed with it.
-    add = ["git", "add", "-A", *specs, "ci/overlay-tests.txt"]
+    # said which); they are committed with it, and the submodule's branch
+    # with the main pin.
+    also = ["ci/overlay-tests.txt"]
+    if not layout.target and (root / ".gitmodules").is_file():
+        source.track_tag(root, load_pin(layout.pin).tag)
+        also.append(".gitmodules")
+    stat = _git(root, "diff", "--stat=200", *specs, *also)
+    new = _git(root, "ls-files", "--others", "--exclude-standard", *specs).split()
+    add = ["git", "add", "-A", *specs, *also]
     commit = ["git", "commit", "-q", "-m", f"Rebase onto vLLM {version}"]
     return (
         f"adopted {rebased}:\n{stat}"

@@ -53,6 +53,10 @@ class Layout:
         return self.root / "ci" / "requirements-build.txt"
 
     @property
+    def lint_requirements(self) -> Path:
+        return self.root / "ci" / "requirements-lint.txt"
+
+    @property
     def test_requirements(self) -> Path:
         return self.root / "ci" / "requirements-test.txt"
 

@@ -7,6 +7,7 @@ whole repository tree. ``upstream/`` itself is never written to.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -156,3 +157,22 @@ def fresh_dir(path: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
+
+
+def submodule_branches(root: Path) -> list[str]:
+    """The ``branch`` lines of ``root``'s ``.gitmodules``."""
+    return [
+        line.split("=", 1)[1].strip()
+        for line in (root / ".gitmodules").read_text().splitlines()
+        if line.strip().startswith("branch")
+    ]
+
+
+def track_tag(root: Path, tag: str) -> None:
+    """Point the ``upstream`` submodule's ``branch`` at ``tag``: adopt moves
+    it with the main pin (``ci/overlay lint`` checks they agree)."""
+    gitmodules = root / ".gitmodules"
+    text = re.sub(r"(?m)^(\s*branch\s*=\s*).*$", rf"\g<1>{tag}", gitmodules.read_text())
+    partial = gitmodules.with_name(".gitmodules.partial")
+    partial.write_text(text)
+    partial.replace(gitmodules)

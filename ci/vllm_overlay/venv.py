@@ -22,8 +22,18 @@ from vllm_overlay.proc import run_logged
 def venv_dir(
     cache_dir: Path, name: str, requirements: list[str], requirement_file: Path
 ) -> Path:
-    spec = "\n".join([*requirements, requirement_file.read_text(), sys.version])
+    spec = "\n".join([*requirements, requirement_text(requirement_file), sys.version])
     return cache_dir / f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
+
+
+def requirement_text(requirement_file: Path) -> str:
+    """The file's text with that of each file it includes (``-r FILE``,
+    relative to it), as pip reads them."""
+    texts = [requirement_file.read_text()]
+    for line in texts[0].splitlines():
+        if line.startswith("-r "):
+            texts.append(requirement_text(requirement_file.parent / line[3:].strip()))
+    return "\n".join(texts)
 
 
 def ensure_venv(
