@@ -168,6 +168,18 @@ RULES = [
         id="separator-not-last",
     ),
     pytest.param(
+        _with("Description", "test patch" + "\n why" * 21),
+        _with("Description", "test patch" + "\n why" * 22),
+        "the header is 26 lines, over 25: say what changes and why",
+        id="header-too-long",
+    ),
+    pytest.param(
+        _with("Description", "test patch\n " + "w" * 78),
+        _with("Description", "test patch\n " + "w" * 79),
+        "header line 2 is 80 characters, over 79: wrap it",
+        id="line-too-wide",
+    ),
+    pytest.param(
         PATCH_HEADER,
         _with("Description", "<what the patch changes>"),
         "Description still holds the template text: fill it in",

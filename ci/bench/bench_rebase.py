@@ -8,7 +8,8 @@ official wheel), which adopt needs to have passed, then ``adopt``, the
 commit, ``lint`` and ``apply``.
 
 Each repeat starts from a fresh committed copy of this checkout, sharing its
-``.cache/``, as it was on 0.33.0: the series (not ``patches/vllm-cpu/``),
+``.cache/``, as it was on 0.33.0: the series (not START's
+``patches/vllm-cpu/``, where the vllm-cpu series lived then),
 ``pin.toml``, ``overlay/tests/`` and ``ci/overlay-tests.txt`` of ``START``,
 the tools and everything else this checkout's (the recipe timed is today's).
 Warm runs, once the sdist, the release's wheel and the gate's test venv are
@@ -62,7 +63,7 @@ START_PATHS = ("pin.toml", "patches", "overlay/tests", "ci/overlay-tests.txt")
 # 0.33.0's 0010, which 0.34.0 made obsolete (the rebase onto it dropped it)
 DROPPED = frozenset({"0010-block-pool-hot-path-cost.patch"})
 # What adopt and the commit line put in place, compared with this checkout's.
-ADOPTED = ("pin.toml", "patches", "overlay", "ci/overlay-tests.txt")
+ADOPTED = ("pin.toml", "patches", "overlay", "ci/overlay-tests.txt", ".gitmodules")
 
 
 # Each line of the block by the word that names its step, in this order.
@@ -86,7 +87,8 @@ def step_name(line: str) -> str:
 
 def start_copy(dest: Path) -> Path:
     """A committed copy of this checkout with ``START_PATHS`` as ``START``
-    has them (the main series; ``patches/vllm-cpu/`` stays this one's)."""
+    has them (the main series; the vllm-cpu series, in START's
+    ``patches/vllm-cpu/``, stays this checkout's)."""
     root = copy_checkout(REPO, dest, None).root
     for path in (root / "patches").iterdir():
         if path.is_file():
@@ -115,7 +117,6 @@ def tracked(root: Path) -> dict[str, str]:
         for _, blob, _, path in (
             line.split(maxsplit=3) for line in listing.splitlines()
         )
-        if not path.startswith("patches/vllm-cpu/")
     }
 
 

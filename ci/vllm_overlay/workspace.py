@@ -46,7 +46,7 @@ HEADER_TEMPLATE = """\
 Description: <one-line summary>
  <why the change, and the design choice; each line indented by one space>
 Author: <name and address>
-Forwarded: <upstream URL, or no (say why above), or not-needed (never upstream)>
+Forwarded: <upstream URL, no (say why above) or not-needed (never upstream)>
 Bug: <bug URL; delete this line if there is none>
 Last-Update: <YYYY-MM-DD, the day of the last change>
 ---
