@@ -733,7 +733,8 @@ def format_comparison(
 
 
 def render_report(baseline: Baseline) -> str:
-    """Markdown list of every baseline test that does not pass, with reason."""
+    """Markdown summary of the baseline tests that do not pass: counts by
+    reason, then every test function by name, per reason and file."""
     not_passed = {
         k: v for k, v in sorted(baseline.tests.items()) if v["outcome"] != "passed"
     }
@@ -763,9 +764,26 @@ def render_report(baseline: Baseline) -> str:
     ]
     for reason, n in sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"- {n} × {reason}")
-    lines += ["", "## Tests", ""]
+    lines += [
+        "",
+        "## Tests, by reason and file",
+        "",
+        "Each test function by name; `×N` counts its parametrized cases.",
+    ]
+    grouped: dict[str, dict[str, dict[str, int]]] = {}
     for nodeid, v in not_passed.items():
-        lines.append(f"- `{nodeid}` — {v['outcome']}: {v['reason']}")
+        file, _, name = nodeid.partition("::")
+        function = name.split("[", 1)[0]
+        per_file = grouped.setdefault(v["reason"], {}).setdefault(file, {})
+        per_file[function] = per_file.get(function, 0) + 1
+    for reason in sorted(grouped, key=lambda r: (-by_reason[r], r)):
+        lines += ["", f"### {reason}", ""]
+        for file, functions in sorted(grouped[reason].items()):
+            named = ", ".join(
+                f"`{function}`" + (f" ×{n}" if n > 1 else "")
+                for function, n in functions.items()
+            )
+            lines.append(f"- `{file}`: {named}")
     return "\n".join(lines) + "\n"
 
 
