@@ -15,13 +15,19 @@ times. Per fleet size (``--engines``, e.g. 1 and 64):
 - memory: the router process's RSS then, less its RSS before the
   ``Fleet`` (imports loaded), per held key, each read once glibc returned
   the heap's free pages (``malloc_trim``);
-- throughput: ``--batches`` more batches in all, published at full
+- live throughput: ``--batches`` more batches in all, published at full
   speed; batches applied per second, from the first to the last; the same
   phase read by bare SUB sockets (a Python loop that receives and does not
   decode) shows what the publishers deliver to a reader that does nothing;
+- queued throughput: as many again, published while the router is paused
+  (not following; Dynamo's process stopped with SIGSTOP) until every
+  record holds them, so they wait in the sockets' queues; batches applied
+  per second from its resumption to the last. This is the router's own
+  rate, which the live phase hides once the publishers (which share the 2
+  cores) deliver less than it applies;
 - Dynamo: its indexer (``relay_scenario.DYNAMO``, installed in a venv of its
   own) subscribes to every engine before another fill of the same size;
-  its RSS per held key, and its throughput on the same steady phase (until
+  its RSS per held key, and its throughput on the same two phases (until
   its ``/query`` finds each engine's last chain). It has no late join.
 
     PYTHONPATH=ci:build/tree PY ci/bench/bench_consumer_fleet.py \\
@@ -165,18 +171,30 @@ def follow_fleet(pubs: Publishers, keys: int, batches: int) -> dict[str, Any]:
     held_keys = held(fleet)
     assert held_keys == keys, (held_keys, keys)
     per_key = (retained_rss(me) - base_rss) / held_keys
-    target = [(f.next_seq or 0) + batches for f in followers]
-    sent_at, _ = pubs.run(f"steady {batches}")
-    while any((f.next_seq or 0) < t for f, t in zip(followers, target, strict=False)):
-        fleet.follow(0.01, poll_interval_s=5.0)
-    steady_s = time.monotonic() - sent_at
+
+    def steady(queued: bool) -> float:
+        """Seconds to apply ``batches`` more per engine, from when they
+        start going out (live) or from the router's resumption (queued)."""
+        target = [(f.next_seq or 0) + batches for f in followers]
+        started, _ = pubs.run(f"steady {batches}")
+        if queued:
+            settle(pubs, target)
+            started = time.monotonic()
+        while any(
+            (f.next_seq or 0) < t for f, t in zip(followers, target, strict=True)
+        ):
+            fleet.follow(0.01, poll_interval_s=5.0)
+        return time.monotonic() - started
+
+    live_s, queued_s = steady(queued=False), steady(queued=True)
     recoveries = sum(sum(f.stats.recoveries.values()) for f in followers)
     fleet.close()
     return {
         "late_join_s": round(join_s, 2),
         "held_keys": held_keys,
         "bytes_per_key": round(per_key),
-        "batches_per_s": round(batches * len(followers) / steady_s),
+        "batches_per_s": round(batches * len(followers) / live_s),
+        "queued_batches_per_s": round(batches * len(followers) / queued_s),
         "recoveries": recoveries,
     }
 
@@ -199,17 +217,32 @@ def stream_alone(pubs: Publishers, keys: int, batches: int) -> dict[str, Any]:
     poller = zmq.Poller()
     for sub in subs:
         poller.register(sub, zmq.POLLIN)
-    want, got = batches * len(subs), 0
-    sent_at, _ = pubs.run(f"steady {batches}")
-    while got < want:
-        for sub, _ in poller.poll(1000):
-            while got < want and sub.poll(0):
-                sub.recv_multipart()
-                got += 1
-    steady_s = time.monotonic() - sent_at
+    want = batches * len(subs)
+    # Each engine's batches sent so far: the fill's.
+    sent = keys // CHAIN // len(subs)
+
+    def steady(queued: bool) -> float:
+        nonlocal sent
+        started, _ = pubs.run(f"steady {batches}")
+        sent += batches
+        if queued:
+            settle(pubs, [sent] * len(subs))
+            started = time.monotonic()
+        got = 0
+        while got < want:
+            for sub, _ in poller.poll(1000):
+                while got < want and sub.poll(0):
+                    sub.recv_multipart()
+                    got += 1
+        return time.monotonic() - started
+
+    live_s, queued_s = steady(queued=False), steady(queued=True)
     for sub in subs:
         sub.close(linger=0)
-    return {"batches_per_s": round(want / steady_s)}
+    return {
+        "batches_per_s": round(want / live_s),
+        "queued_batches_per_s": round(want / queued_s),
+    }
 
 
 def fill(pubs: Publishers, keys: int) -> None:
@@ -217,26 +250,30 @@ def fill(pubs: Publishers, keys: int) -> None:
     chunk once every record holds the one before: at full speed a record
     falls more than its ring behind and turns snapshots off (and with no
     engine behind these publishers it is never rebuilt)."""
-    rounds = keys // CHAIN // len(pubs.endpoints)
+    engines = len(pubs.endpoints)
+    rounds = keys // CHAIN // engines
     for done in range(0, rounds, FILL_CHUNK):
         pubs.run(f"fill {min(FILL_CHUNK, rounds - done)}")
-        settle(pubs, min(done + FILL_CHUNK, rounds))
+        settle(pubs, [min(done + FILL_CHUNK, rounds)] * engines, recorded=True)
 
 
-def settle(pubs: Publishers, batches: int) -> None:
-    """Until each engine has sent ``batches`` batches and its record holds
-    them: a join measured while the fill still goes out would time the
-    fill."""
+def settle(pubs: Publishers, sent: list[int], recorded: bool = False) -> None:
+    """Until each engine has sent its ``sent`` batches and, if ``recorded``,
+    its record holds them: a join measured while the fill still goes out
+    would time the fill, and a queued phase must not start before its
+    batches are out. (A steady phase at full speed can leave a record too
+    far behind, which turns snapshots off: only a fill waits for it.)"""
     from vllm.distributed.kv_events_consumer import Follower
 
-    for endpoint, replay in pubs.endpoints:
+    for (endpoint, replay), batches in zip(pubs.endpoints, sent, strict=True):
         follower = Follower(endpoint, replay, timeout_s=60.0)
         try:
             while True:
                 status = follower.status()
                 assert status is not None  # narrows type for mypy
-                if min(status["next_seq"], status["snapshot"]["next_seq"] or 0) >= (
-                    batches
+                record = status["snapshot"]["next_seq"] or 0
+                if status["next_seq"] >= batches and (
+                    not recorded or record >= batches
                 ):
                     break
                 time.sleep(0.1)
@@ -274,13 +311,25 @@ def follow_dynamo(
         per_key = (proc.memory_info().rss - base_rss) / keys
         sent_at, last = pubs.run(f"steady {batches}")
         until_holds(indexer, last)
-        steady_s = time.monotonic() - sent_at
+        live_s = time.monotonic() - sent_at
+        # Each engine's batches sent so far: the fill's, 1, the two phases'.
+        sent = keys // CHAIN // len(pubs.endpoints) + 1 + 2 * batches
+        proc.suspend()
+        try:
+            _, last = pubs.run(f"steady {batches}")
+            settle(pubs, [sent] * len(pubs.endpoints))
+        finally:
+            proc.resume()
+        resumed_at = time.monotonic()
+        until_holds(indexer, last)
+        queued_s = time.monotonic() - resumed_at
     finally:
         indexer.close()
     return {
         "held_keys": keys,
         "bytes_per_key": round(per_key),
-        "batches_per_s": round(batches * len(last) / steady_s),
+        "batches_per_s": round(batches * len(last) / live_s),
+        "queued_batches_per_s": round(batches * len(last) / queued_s),
     }
 
 
@@ -322,25 +371,31 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"at least {GOALS['batches_per_s']:,} batches/s, at most "
         f"{GOALS['bytes_per_key']} B per held key, a late join in at most "
         f"{GOALS['late_join_s']:g} s. The publishers (one process, a record "
-        "process each) share the 2 cores with the router, so every rate "
-        "here is also theirs: the bare SUB sockets (a Python loop that "
+        "process each) share the 2 cores with the router, so every live "
+        "rate is also theirs: the bare SUB sockets (a Python loop that "
         "receives and does not decode) show what they deliver to a reader "
-        "that does nothing.",
+        "that does nothing. The queued column is each router's own rate: "
+        "the same number of batches, sent while it was paused, applied from "
+        "the sockets' queues.",
         "",
-        "| engines | router | batches/s applied | bytes per held key | late join |",
-        "|---|---|---|---|---|",
+        "| engines | router | batches/s applied, live | batches/s applied, "
+        "queued | bytes per held key | late join |",
+        "|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         n = run["engines"]
         cell = functools.partial(median_cell, run["repeats"])
-        lines += [
-            f"| {n} | bare SUB sockets | {cell('stream', 'batches_per_s')} | - | - |",
-            f"| {n} | `Fleet` | {cell('fleet', 'batches_per_s')} | "
-            f"{cell('fleet', 'bytes_per_key')} | "
-            f"{cell('fleet', 'late_join_s', ' s')} |",
-            f"| {n} | Dynamo's indexer | {cell('dynamo', 'batches_per_s')} | "
-            f"{cell('dynamo', 'bytes_per_key')} | none (no recovery) |",
-        ]
+        for router, name, join in (
+            ("stream", "bare SUB sockets", None),
+            ("fleet", "`Fleet`", cell("fleet", "late_join_s", " s")),
+            ("dynamo", "Dynamo's indexer", "none (no recovery)"),
+        ):
+            per_key = "-" if join is None else cell(router, "bytes_per_key")
+            lines.append(
+                f"| {n} | {name} | {cell(router, 'batches_per_s')} | "
+                f"{cell(router, 'queued_batches_per_s')} | {per_key} | "
+                f"{join or '-'} |"
+            )
     return [*lines, ""]
 
 
