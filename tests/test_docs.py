@@ -306,3 +306,16 @@ def test_build_line_never_imports_the_harness() -> None:
                 if n.split(".")[0] in {"overlay_harness", "bench", "run_all"}
             ]
     assert not offending
+
+
+def test_architecture_patch_map_is_the_series_headers() -> None:
+    """docs/architecture.md's map of the engine series is what `ci/overlay
+    patch-map` renders from the headers: a patch added, dropped or retitled
+    fails here until the map is printed again."""
+    from vllm_overlay import series
+
+    table = series.patch_map(series.load_series(REPO.patches))
+    assert table in (ROOT / "docs" / "architecture.md").read_text(), (
+        "replace the table under 'The engine series' in docs/architecture.md "
+        "with what `ci/overlay patch-map` prints"
+    )

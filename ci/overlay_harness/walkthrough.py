@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_overlay import gate, workspace
+from vllm_overlay import gate, gitrun, workspace
 from vllm_overlay.paths import Layout, copy_checkout
 
 _BLOCK = re.compile(r"<!-- walkthrough: (\w+) -->\n```sh\n(.*?)```", re.S)
@@ -38,14 +37,9 @@ CHECKED = "rebased series checked (compiles, ruff clean)"
 
 
 def git(root: Path, *args: str) -> str:
-    """The output of ``git -C root ARGS``, which must succeed."""
-    return subprocess.run(
-        ["git", "-C", str(root), *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **GIT_IDENTITY},
-    ).stdout
+    """The output of ``git -C root ARGS`` as the maintainer, which must
+    succeed."""
+    return gitrun.git(root, *args, env=GIT_IDENTITY)
 
 
 def committed_copy(layout: Layout, dest: Path) -> Path:

@@ -46,10 +46,14 @@ def cmd_check(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_fetch_wheel(layout: Layout, args: argparse.Namespace) -> str:
+    return str(_official_wheel(layout))
+
+
+def _official_wheel(layout: Layout) -> Path:
     pin = load_pin(layout.pin)
     official = fetch.fetch(pin.wheel, layout.downloads)
     wheelcheck.check_official_torch(official, pin.wheel_torch, layout.pin)
-    return str(official)
+    return official
 
 
 def _lay_upstream(layout: Layout, dest: Path) -> str:
@@ -62,7 +66,8 @@ def _lay_upstream(layout: Layout, dest: Path) -> str:
     return str(dest)
 
 
-def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
+def _lay_tree(layout: Layout, mode: str) -> Path:
+    """A fresh upstream tree to patch (``layout.partial_tree``)."""
     upstream = source.lay_build_tree(
         layout.root,
         load_pin(layout.pin),
@@ -72,11 +77,20 @@ def cmd_prepare_tree(layout: Layout, args: argparse.Namespace) -> str:
         layout.partial_tree,
         # vLLM's setup.py (the other modes) writes into the tree in place.
         {t for p in series.load_series(layout.patches) for t in p.targets}
-        if getattr(args, "mode", "assemble") == "assemble"
+        if mode == "assemble"
         else None,
     )
     print(f"  source: {upstream.description}", file=sys.stderr)
-    return str(layout.partial_tree)
+    return layout.partial_tree
+
+
+def _add_overlay(layout: Layout, tree: Path) -> Path:
+    """The overlay's files into the patched ``tree``, which then becomes
+    ``layout.tree``: a tree is complete only once they are in."""
+    overlay.copy_overlay(layout.overlay, tree)
+    source.fresh_dir(layout.tree)
+    tree.rename(layout.tree)
+    return layout.tree
 
 
 def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
@@ -84,50 +98,39 @@ def cmd_apply(layout: Layout, args: argparse.Namespace) -> str:
     overlay in it, for looking at or running upstream's tests against."""
     build.check_writable(layout.cache)
     with build.one_at_a_time(layout.build):
-        tree = Path(cmd_prepare_tree(layout, args))
+        tree = _lay_tree(layout, "assemble")
         apply.apply_series(tree, series.load_series(layout.patches), layout.command)
-        return cmd_copy_overlay(layout, argparse.Namespace(tree=tree))
+        return str(_add_overlay(layout, tree))
 
 
 def cmd_pristine_tree(layout: Layout, args: argparse.Namespace) -> str:
     return _lay_upstream(layout, layout.pristine_tree)
 
 
-def cmd_apply_series(layout: Layout, args: argparse.Namespace) -> str:
-    official = fetch.fetch(load_pin(layout.pin).wheel, layout.downloads)
-    return _apply_series(layout, args.tree, official)
-
-
-def _apply_series(layout: Layout, tree: Path, official: Path) -> str:
+def _apply_series(layout: Layout, tree: Path, official: Path) -> None:
     patches = series.load_series(layout.patches)
     wheelcheck.check_base_matches_official(
         tree, official, {t for p in patches for t in p.targets}
     )
     apply.apply_series(tree, patches, layout.command)
-    return str(tree)
 
 
-def cmd_copy_overlay(layout: Layout, args: argparse.Namespace) -> str:
-    overlay.copy_overlay(layout.overlay, args.tree)
-    if args.tree.resolve() == layout.partial_tree.resolve():
-        source.fresh_dir(layout.tree)
-        layout.partial_tree.rename(layout.tree)
-        return str(layout.tree)
-    return str(args.tree)
-
-
-def cmd_stamp(layout: Layout, args: argparse.Namespace) -> str:
+def _stamp(layout: Layout, tree: Path, mode: str) -> None:
+    """The provenance manifest and the notice, into ``tree``."""
     pin = overlay.labelled_pin(layout)
     patches = series.load_series(layout.patches)
     overlay_files = overlay.overlay_files(layout.overlay)
-    data = manifest.build_manifest(pin, patches, overlay_files, args.mode)
-    manifest.write_manifest(args.tree, data)
-    notice.write_notice(args.tree, notice.render(pin, patches, overlay_files))
-    return str(args.tree)
+    data = manifest.build_manifest(pin, patches, overlay_files, mode)
+    manifest.write_manifest(tree, data)
+    notice.write_notice(tree, notice.render(pin, patches, overlay_files))
 
 
 def cmd_manifest(layout: Layout, args: argparse.Namespace) -> str:
-    return json.dumps(manifest.read_manifest(args.tree), indent=2, sort_keys=True)
+    return _manifest(args.tree)
+
+
+def _manifest(tree: Path) -> str:
+    return json.dumps(manifest.read_manifest(tree), indent=2, sort_keys=True)
 
 
 def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
@@ -144,18 +147,16 @@ def cmd_image_args(layout: Layout, args: argparse.Namespace) -> str:
     return shlex.join(manifest.image_args(data, wheels[0].name))
 
 
-def cmd_build_wheel(layout: Layout, args: argparse.Namespace) -> str:
-    return str(_build_wheel(layout, args)[0])
-
-
-def _build_wheel(layout: Layout, args: argparse.Namespace) -> tuple[Path, str | None]:
+def _build_wheel(
+    layout: Layout, tree: Path, mode: str, official: Path
+) -> tuple[Path, str | None]:
     pin = overlay.labelled_pin(layout)
     patches = series.load_series(layout.patches)
     return build.build_wheel(
-        args.tree,
+        tree,
         pin,
-        args.mode,
-        official_wheel=args.official,
+        mode,
+        official_wheel=official,
         touched=overlay.touched_files(layout),
         build_requirements=layout.build_requirements,
         cache_dir=layout.cache,
@@ -165,17 +166,16 @@ def _build_wheel(layout: Layout, args: argparse.Namespace) -> tuple[Path, str | 
     )
 
 
-def cmd_check_wheel(layout: Layout, args: argparse.Namespace) -> str:
+def _check_wheel(layout: Layout, wheel: Path, tree: Path, official: Path) -> None:
     pin = overlay.labelled_pin(layout)
     wheelcheck.check_wheel(
-        args.wheel,
-        args.official,
-        args.tree,
+        wheel,
+        official,
+        tree,
         overlay.touched_files(layout),
         pin.overlay_version,
         pin.wheel_tag,
     )
-    return str(args.wheel)
 
 
 def cmd_publish(layout: Layout, args: argparse.Namespace) -> str:
@@ -183,17 +183,19 @@ def cmd_publish(layout: Layout, args: argparse.Namespace) -> str:
 
 
 def cmd_build_consumer(layout: Layout, args: argparse.Namespace) -> str:
+    return str(_build_consumer(layout, args.tree, args.wheel))
+
+
+def _build_consumer(layout: Layout, tree: Path, wheel: Path) -> Path:
     """The reference consumer's own wheel (consumer_dist.py), from a tree
     and the engine wheel built from it (its version and requirements)."""
     patches = series.load_series(layout.patches)
     pin = load_pin(layout.pin)
-    return str(
-        consumer_dist.build_consumer_wheel(
-            args.tree,
-            args.wheel,
-            layout.consumer_wheel_dir,
-            series.source_date_epoch(patches, pin.source_date),
-        )
+    return consumer_dist.build_consumer_wheel(
+        tree,
+        wheel,
+        layout.consumer_wheel_dir,
+        series.source_date_epoch(patches, pin.source_date),
     )
 
 
@@ -202,41 +204,43 @@ def _step(text: str) -> None:
 
 
 def cmd_build(layout: Layout, args: argparse.Namespace) -> str:
-    """build.sh's steps in one process, each announced as build.sh did: one
-    interpreter start instead of ten, and the official wheel hashed once."""
+    """build.sh's steps in one process, each announced: one interpreter
+    start, and the official wheel hashed once."""
     _step("check the checkout (pin, series, overlay)")
     print(cmd_check(layout, args), file=sys.stderr)
     dist.refuse_symlink(layout.dist.absolute())
     build.check_writable(layout.cache)
     with build.one_at_a_time(layout.build):
-        return _build(layout, args)
+        return str(_build(layout, args.mode))
 
 
-def _build(layout: Layout, args: argparse.Namespace) -> str:
-    ns = argparse.Namespace
+def _build(layout: Layout, mode: str) -> Path:
     _step("fetch and verify the official wheel")
-    official = Path(cmd_fetch_wheel(layout, args))
+    official = _official_wheel(layout)
     _step("lay a fresh upstream tree")
-    tree = Path(cmd_prepare_tree(layout, args))
+    tree = _lay_tree(layout, mode)
     _step(f"apply {layout.patches.relative_to(layout.root).as_posix()}/series")
-    tree = Path(_apply_series(layout, tree, official))
+    _apply_series(layout, tree, official)
     _step("copy overlay/")
-    tree = Path(cmd_copy_overlay(layout, ns(tree=tree)))
+    tree = _add_overlay(layout, tree)
     _step("write the provenance manifest")
-    tree = Path(cmd_stamp(layout, ns(tree=tree, mode=args.mode)))
-    _step(f"build the wheel ({args.mode})")
-    wheel_args = ns(tree=tree, mode=args.mode, official=official)
-    wheel, sha256 = _build_wheel(layout, wheel_args)
+    _stamp(layout, tree, mode)
+    _step(f"build the wheel ({mode})")
+    wheel, sha256 = _build_wheel(layout, tree, mode, official)
     _step("check the wheel against the official one")
-    cmd_check_wheel(layout, ns(wheel=wheel, tree=tree, official=official))
+    _check_wheel(layout, wheel, tree, official)
     also = []
     if not layout.target:  # one consumer wheel: the main target's schema
         _step(f"build the consumer wheel ({consumer_dist.DISTRIBUTION})")
-        also.append(Path(cmd_build_consumer(layout, ns(tree=tree, wheel=wheel))))
+        also.append(_build_consumer(layout, tree, wheel))
     _step("publish to dist/")
-    published = str(dist.publish(wheel, layout.dist, layout.build, sha256, also))
-    print(cmd_manifest(layout, ns(tree=tree)), file=sys.stderr)
+    published = dist.publish(wheel, layout.dist, layout.build, sha256, also)
+    print(_manifest(tree), file=sys.stderr)
     return published
+
+
+def cmd_patch_map(layout: Layout, args: argparse.Namespace) -> str:
+    return series.patch_map(series.load_series(layout.patches)).rstrip("\n")
 
 
 def cmd_lint(layout: Layout, args: argparse.Namespace) -> str:
@@ -401,31 +405,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("fetch-wheel", cmd_fetch_wheel, "download and verify the official wheel")
     add("apply", cmd_apply, "build/tree: fresh upstream + series + overlay")
-    add("prepare-tree", cmd_prepare_tree, "lay a fresh upstream scratch tree")
     add("pristine-tree", cmd_pristine_tree, "the unpatched tree, for comparisons")
-    add(
-        "apply-series", cmd_apply_series, "apply patches/series, zero fuzz"
-    ).add_argument("tree", type=Path)
-    add(
-        "copy-overlay", cmd_copy_overlay, "add overlay/ files to the tree"
-    ).add_argument("tree", type=Path)
-    p = add(
-        "stamp", cmd_stamp, "write the provenance manifest and the notice into the tree"
-    )
-    p.add_argument("tree", type=Path)
-    p.add_argument("--mode", choices=build.MODES, default="assemble")
     add("manifest", cmd_manifest, "print the manifest a tree carries").add_argument(
         "tree", type=Path
     )
     add("image-args", cmd_image_args, "docker build arguments for Containerfile")
-    p = add("build-wheel", cmd_build_wheel, "build the wheel of a tree")
-    p.add_argument("tree", type=Path)
-    p.add_argument("--mode", choices=build.MODES, default="assemble")
-    p.add_argument("--official", type=Path, required=True)
-    p = add("check-wheel", cmd_check_wheel, "compare a wheel with the official")
-    p.add_argument("wheel", type=Path)
-    p.add_argument("--tree", type=Path, required=True)
-    p.add_argument("--official", type=Path, required=True)
     p = add("publish", cmd_publish, "move a checked wheel into dist/")
     p.add_argument("wheel", type=Path)
     p.add_argument(
@@ -443,6 +427,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("tree", type=Path)
     p.add_argument("--wheel", type=Path, required=True, help="its engine wheel")
     add("lint", cmd_lint, "every check that needs no build (docs/testing.md)")
+    add("patch-map", cmd_patch_map, "the series table of docs/architecture.md")
     p = add("workspace", cmd_workspace, "the series as git commits in build/workspace")
     p.add_argument("--upto", metavar="PATCH", help="stop after this patch")
     p.add_argument(

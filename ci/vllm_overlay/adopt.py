@@ -21,10 +21,9 @@ import hashlib
 import json
 import shlex
 import shutil
-import subprocess
 from pathlib import Path
 
-from vllm_overlay import source, workspace
+from vllm_overlay import gitrun, source, workspace
 from vllm_overlay.dist import remove_path
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout
@@ -66,16 +65,12 @@ def record_source(layout: Layout, version: str) -> None:
 
 
 def _git(root: Path, *args: str) -> str:
-    result = subprocess.run(
-        ["git", "-C", str(root), *args], capture_output=True, text=True
+    return gitrun.git(
+        root,
+        *args,
+        next_step="adopt works in a git checkout of the project (it refuses to "
+        "replace uncommitted work, and git says what there is)",
     )
-    if result.returncode != 0:
-        raise OverlayError(
-            f"git {' '.join(args[:2])} in {root} failed: {result.stderr.strip()}",
-            "adopt works in a git checkout of the project (it refuses to replace "
-            "uncommitted work, and git says what there is)",
-        )
-    return result.stdout
 
 
 def _pathspecs(layout: Layout) -> list[str]:

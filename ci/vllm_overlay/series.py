@@ -302,6 +302,18 @@ def diff_problems(patch: Patch) -> list[str]:
     return problems
 
 
+def patch_map(patches: list[Patch]) -> str:
+    """The table of docs/architecture.md's "The engine series", from the
+    headers: each patch, its one-line summary and where it stands upstream
+    (``Forwarded``)."""
+    lines = ["| patch | what it changes | forwarded |", "|---|---|---|"]
+    for patch in patches:
+        summary = patch.header.get("Description", "").split("\n")[0]
+        forwarded = patch.header.get("Forwarded", "")
+        lines.append(f"| `{patch.path.stem}` | {summary} | {forwarded} |")
+    return "\n".join(lines) + "\n"
+
+
 def source_date_epoch(patches: list[Patch], pin_date: str) -> int:
     """The build's fixed timestamp: the newest Last-Update of the series, or
     ``pin_date`` (YYYY-MM-DD) when that is newer, at midnight UTC."""

@@ -15,7 +15,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_overlay import pristine
+from vllm_overlay import gitrun, pristine
 from vllm_overlay.dist import locked
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import fetch
@@ -29,12 +29,11 @@ class UpstreamSource:
 
 
 def _git(checkout: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(checkout), *args],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    return gitrun.git(
+        checkout,
+        *args,
+        next_step="check upstream/ with git (`git submodule update upstream`)",
+    ).strip()
 
 
 def is_populated_checkout(checkout: Path) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay import apply
+from vllm_overlay import apply, gitrun
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.series import Patch, header_text, load_series, read_series
 
@@ -51,6 +50,8 @@ Bug: <bug URL; delete this line if there is none>
 Last-Update: <YYYY-MM-DD, the day of the last change>
 ---
 """
+# Given to every git command in a workspace, whatever the repository's config.
+_WORKSPACE_OPTIONS = ("-c", "core.autocrlf=false", "-c", "gc.auto=0")
 # patch -p1 fits the workspace cannot apply by itself: a human edits the tree.
 _STOPS = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE, apply.Fit.ALREADY_UPSTREAM}
 
@@ -71,24 +72,21 @@ _CONFIG = {
 def git(
     repo: Path, *args: str, input: str | None = None, env: dict[str, str] | None = None
 ) -> str:
-    result = _git_run(repo, *args, input=input, env=env)
-    if result.returncode != 0:
-        raise OverlayError(
-            f"git {' '.join(args[:2])} in {repo} failed: {result.stderr.strip()}",
-            "fix the workspace with git, then run the command again",
-        )
-    return result.stdout
-
-
-def _git_run(
-    repo: Path, *args: str, input: str | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["git", "-C", str(repo), "-c", "core.autocrlf=false", "-c", "gc.auto=0", *args],
-        capture_output=True,
-        text=True,
+    """``gitrun.git`` in a workspace: its identity and config."""
+    return gitrun.git(
+        repo,
+        *_WORKSPACE_OPTIONS,
+        *args,
         input=input,
-        env={**os.environ, **_ENV, "GIT_EDITOR": "true", **(env or {})},
+        env={**_ENV, "GIT_EDITOR": "true", **(env or {})},
+        next_step="fix the workspace with git, then run the command again",
+    )
+
+
+def _git_run(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gitrun.run`` in a workspace, whatever its exit status."""
+    return gitrun.run(
+        repo, *_WORKSPACE_OPTIONS, *args, env={**_ENV, "GIT_EDITOR": "true"}
     )
 
 
