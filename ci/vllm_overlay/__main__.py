@@ -341,6 +341,14 @@ def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
     state = workspace.State.load(ws)
     assert state is not None  # export refuses a workspace without its state
     series = state.export_to
+    rebases = layout.build / "rebase"
+    if Path(series).is_relative_to(rebases):
+        version = Path(series).relative_to(rebases).parts[0]
+        return (
+            f"exported {len(names)} patches to {series}\n"
+            f"next: `{layout.command} adopt {version}` (it says which checks "
+            "must pass first)"
+        )
     return (
         f"exported {len(names)} patches to {series}\n"
         f"next: review `git -C {layout.root} diff --stat -- {series}`, then "
@@ -351,7 +359,12 @@ def cmd_export(layout: Layout, args: argparse.Namespace) -> str:
 
 def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
     json_out = args.json or layout.build / "rebase" / "report.json"
-    rebase.dry_run(layout, args.versions, json_out.absolute(), args.write)
+    if args.wheel and not args.sdist:
+        raise OverlayError("--wheel needs --sdist", "give the release's sdist too")
+    local = None
+    if args.sdist:
+        local = (args.sdist.absolute(), args.wheel.absolute() if args.wheel else None)
+    rebase.dry_run(layout, args.versions, json_out.absolute(), args.write, local)
     return f"report: {json_out}"
 
 
@@ -474,6 +487,17 @@ def _parser() -> argparse.ArgumentParser:
         "--write",
         action="store_true",
         help="refresh the patches that apply, with a pin, per version",
+    )
+    p.add_argument(
+        "--sdist",
+        type=Path,
+        help="the release's vLLM sdist from disk, not the index (one VERSION; "
+        "a release candidate, a local build): docs/maintainers.md, recipe 5",
+    )
+    p.add_argument(
+        "--wheel",
+        type=Path,
+        help="with --sdist: the pin's wheel project's wheel of that release",
     )
     p = add(
         "adopt",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -159,3 +160,35 @@ def fetch(pinned: PinnedFile, cache_dir: Path, index_url: str | None = None) -> 
         ) from None
     partial.replace(target)
     return target
+
+
+def cache_local(path: Path, expected_name: str, cache_dir: Path) -> PinnedFile:
+    """Put a release file from disk (a release candidate, a local build, a
+    release the index does not serve) into the download cache under its
+    release name, pinned by its own sha256: every later ``fetch`` of it
+    (the rebase's build, its test gate) then finds it there and never asks
+    an index."""
+    if not path.is_file():
+        raise OverlayError(
+            f"{path} is not a file", "give the path of the release's file"
+        )
+    if path.name != expected_name:
+        raise OverlayError(
+            f"{path} is not named {expected_name}, the name the pin will record",
+            f"copy it under that name (`cp {path} {path.with_name(expected_name)}`) "
+            "and give that path",
+        )
+    pinned = PinnedFile(expected_name, sha256_of(path))
+    target = cache_dir / expected_name
+    if target.exists():
+        if sha256_of(target) != pinned.sha256:
+            raise OverlayError(
+                f"{target} already holds another file named {expected_name}",
+                f"remove it if nothing pins it (`rm {target}`), then run again",
+            )
+        return pinned
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    shutil.copyfile(path, partial)
+    partial.replace(target)
+    return pinned

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from vllm_overlay import adopt, apply, gate, workspace
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.fetch import default_index_url, fetch, list_files
+from vllm_overlay.fetch import cache_local, default_index_url, fetch, list_files
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import Pin, PinnedFile, load_pin
 from vllm_overlay.series import Patch, load_series
@@ -93,6 +93,41 @@ def find_release(
         )
     distribution = project.replace("-", "_")
     return Release(version, sdist, pinned(f"{distribution}-{version}-{wheel_tag}.whl"))
+
+
+def _indexed_release(
+    version: str, wheel_tag: str, project: str, command: str
+) -> Release:
+    """``find_release``, whose failure to reach the index says how to give
+    the release's files instead."""
+    try:
+        return find_release(version, wheel_tag, project=project)
+    except OverlayError as e:
+        raise OverlayError(
+            e.what,
+            "check network access to the package index, or give the release's "
+            f"files: `{command} rebase-check {version} --sdist FILE --wheel FILE`",
+        ) from None
+
+
+def local_release(
+    version: str,
+    wheel_tag: str,
+    project: str,
+    sdist: Path,
+    wheel: Path | None,
+    downloads: Path,
+) -> Release:
+    """A release from files on disk instead of the index (``cache_local``):
+    vLLM's sdist and, for ``--write``, the pin's wheel project's wheel."""
+    distribution = project.replace("-", "_")
+    return Release(
+        version,
+        cache_local(sdist, f"vllm-{version}.tar.gz", downloads),
+        None
+        if wheel is None
+        else cache_local(wheel, f"{distribution}-{version}-{wheel_tag}.whl", downloads),
+    )
 
 
 def extract_files(sdist: Path, files: set[str], dest: Path) -> None:
@@ -623,7 +658,15 @@ def check(layout: Layout, ws: Path, python: Path | None) -> str:
     return "rebased series checked (compiles, ruff clean)"
 
 
-def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) -> int:
+def dry_run(
+    layout: Layout,
+    versions: list[str],
+    json_out: Path,
+    write: bool,
+    local: tuple[Path, Path | None] | None = None,
+) -> int:
+    """``rebase-check``: each release from the index, or the one release of
+    ``versions`` from ``local`` (its sdist and wheel on disk)."""
     pin = load_pin(layout.pin)
     patches = load_series(layout.patches)
     work = layout.build / "rebase"
@@ -636,13 +679,26 @@ def dry_run(layout: Layout, versions: list[str], json_out: Path, write: bool) ->
     if write:  # before any download: what would be lost
         for version in versions:
             _refuse_to_overwrite(work / version)
+    if local is not None and len(versions) != 1:
+        raise OverlayError(
+            f"--sdist names one release's files, and {len(versions)} versions "
+            "were given",
+            "run rebase-check once per release given by files",
+        )
     for version in versions:
-        release = find_release(version, pin.wheel_tag, project=pin.wheel_project)
+        release = (
+            local_release(
+                version, pin.wheel_tag, pin.wheel_project, *local, layout.downloads
+            )
+            if local is not None
+            else _indexed_release(version, pin.wheel_tag, pin.wheel_project, command)
+        )
         if write and release.wheel is None:
             raise OverlayError(
                 f"no {pin.wheel_tag} wheel of {pin.wheel_project} {version} on "
-                "the package index",
-                "pick a release with a wheel, or run without --write",
+                "the package index" + (" or given (--wheel)" if local else ""),
+                "pick a release with a wheel, give its file with --wheel, or run "
+                "without --write",
             )
         releases[version] = release
         sdist = fetch(release.sdist, layout.downloads)
