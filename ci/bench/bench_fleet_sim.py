@@ -38,8 +38,8 @@ Item 2, a gap: a third into the trace the router misses every batch for ``GAP_TI
 ticks, more than the publisher's ``buffer_steps``. Upstream's stream has no
 way back: the router goes on (``ignore``), drops what it knew and relearns
 (``relearn``), or resets every engine's prefix cache (``reset``). Ours: the
-router restarts with the shipped consumer
-(``vllm.distributed.kv_events_consumer.Follower``) on the real
+router restarts with the shipped consumer (its ``Follower``, this
+checkout's ``overlay/vllm/distributed/kv_events_consumer.py``) on the real
 ``ZmqEventPublisher`` on 127.0.0.1, which recovers by snapshot
 (``snapshot``).
 
@@ -593,10 +593,10 @@ class ConsumerView:
     """The router's view of one engine through the shipped consumer."""
 
     def __init__(self, publisher: CountedPublisher) -> None:
-        from vllm.distributed.kv_events_consumer import Follower
-
         self.publisher = publisher
-        self.follower = Follower(*publisher.endpoints)
+        # The checkout's consumer, as the mirrors beside it: one copy of the
+        # module per process, whatever the wheel holds.
+        self.follower = bl.checkout_consumer().Follower(*publisher.endpoints)
         self.follower.sync(publisher.published)
 
     def catch_up(self) -> None:
