@@ -308,6 +308,18 @@ def test_build_line_never_imports_the_harness() -> None:
     assert not offending
 
 
+def test_only_the_test_gate_runs_the_harness() -> None:
+    """docs/architecture.md's layering rule, its other half: one command of
+    the build line starts the harness, as programs (``rebase-test``, gate.py:
+    the test environment and the test runner of the checkout it tests)."""
+    naming = sorted(
+        module.name
+        for module in (ROOT / "ci" / "vllm_overlay").glob("*.py")
+        if "overlay_harness." in module.read_text()
+    )
+    assert naming == ["gate.py"], naming
+
+
 def test_architecture_patch_map_is_the_series_headers() -> None:
     """docs/architecture.md's map of the engine series is what `ci/overlay
     patch-map` renders from the headers: a patch added, dropped or retitled

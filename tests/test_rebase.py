@@ -23,7 +23,16 @@ from conftest import (
     make_patch,
     write_series,
 )
-from vllm_overlay import adopt, apply, gate, lint, rebase, series, workspace
+from vllm_overlay import (
+    adopt,
+    apply,
+    gate,
+    lint,
+    rebase,
+    rebase_state,
+    series,
+    workspace,
+)
 from vllm_overlay.__main__ import main
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
@@ -216,8 +225,8 @@ def _rebase_result(layout: Layout) -> Path:
     """A rebase of the target's series, pin and overlay as --write and
     export leave it: the last patch dropped, the first one's header edited,
     a new label in the pin, an overlay file added."""
-    adopt.record_source(layout, VERSION)
-    rebased = adopt.version_dir(layout, VERSION) / "rebased"
+    rebase_state.record_source(layout, VERSION)
+    rebased = rebase_state.version_dir(layout, VERSION) / "rebased"
     (rebased / "patches").mkdir(parents=True)
     names = series.read_series(layout.patches)
     for name in names[:-1]:
@@ -244,7 +253,7 @@ def test_adopt_replaces_exactly_one_target(project: Path, target: str) -> None:
     layout = Layout(project, target)
     other = Layout(project, "" if target else "vllm-cpu")
     # the other target's own files (for main: not the vllm-cpu series in it)
-    theirs = _files(project, *adopt.files_digest(other))
+    theirs = _files(project, *rebase_state.files_digest(other))
     rebased = _rebase_result(layout)
     out = adopt.adopt(layout, VERSION)
     assert _files(project, *theirs) == theirs
@@ -356,7 +365,7 @@ def test_rebase_onto_032_cannot_adopt_an_undefined_name(tmp_path: Path) -> None:
     name 0005 and a name 0.32.0 does not define (0.34.0's residency bit),
     and adopt refuses."""
     layout = copy_checkout(REPO, tmp_path / "checkout", REPO.cache)
-    ws = adopt.version_dir(layout, "0.32.0") / "workspace"
+    ws = rebase_state.version_dir(layout, "0.32.0") / "workspace"
 
     def overlay(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -566,7 +575,7 @@ def test_adopt_needs_the_overlay_tests_to_have_passed(
     before = _files(project)
     command = f"ci/overlay --target {target}" if target else "ci/overlay"
     with pytest.raises(OverlayError) as refused:
-        gate.require_pass(layout, VERSION)
+        rebase_state.require_pass(layout, VERSION)
     assert "the overlay's tests have not run" in refused.value.what
     assert f"`{command} rebase-test {VERSION}`" in refused.value.next_step
     assert _files(project) == before
@@ -717,7 +726,7 @@ def test_rebase_hints_name_the_next_step_of_the_state(
             ),
         },
     )
-    work = adopt.version_dir(checkout, VERSION)
+    work = rebase_state.version_dir(checkout, VERSION)
     ws = _tree(work / "workspace", {"pkg/a.py": PY_LINES, "pkg/b.py": PY_LINES})
     release = _tree(
         tmp_path / "release",
@@ -762,11 +771,13 @@ def test_rebase_hints_name_the_next_step_of_the_state(
         assert "rebased series checked" in out, out
         assert "ci/overlay export" not in out, out
         assert f"`ci/overlay rebase-test {VERSION}`" in out, out
+    # the static check ran once for this workspace: adopt did not run it again
+    assert f"(recorded: they passed on {ws} as it is)" in out, out
     # the tests passed on exactly this rebase: adopt is next
-    gate.record_path(checkout, VERSION).write_text(
+    rebase_state.record_path(checkout, VERSION).write_text(
         json.dumps(
             {
-                "rebased_sha256": gate.rebased_digest(work / "rebased"),
+                "rebased_sha256": rebase_state.rebased_digest(work / "rebased"),
                 "passed": True,
                 "complete": True,
             }
@@ -777,6 +788,7 @@ def test_rebase_hints_name_the_next_step_of_the_state(
     # a fix folded in again: export is next once more
     (ws / "pkg" / "b.py").write_text(PY_LINES.replace("x10 = 10\n", "x10 = 1000\n"))
     workspace.git(ws, "commit", "-q", "-a", "--amend", "--no-edit")
+    assert not rebase_state.checked(checkout, VERSION)
     code, out = overlay(check)
     assert _hints(out.partition("next: ")[2])[0] == f"ci/overlay export --dir {ws}"
     assert "0002-b.patch" in out
@@ -852,18 +864,18 @@ def test_overlay_tests_changed_in_the_rebase_are_gated_and_adopted(
     layout = Layout(project)
     rebased = _rebase_result(layout)
     tests = rebased / "overlay" / "tests"
-    record = gate.record_path(layout, VERSION)
+    record = rebase_state.record_path(layout, VERSION)
 
     def ran(passed: bool) -> None:
         """What rebase-test records, for rebased/ as it is now."""
-        digest = gate.rebased_digest(rebased)
+        digest = rebase_state.rebased_digest(rebased)
         record.write_text(
             json.dumps({"rebased_sha256": digest, "passed": passed, "complete": True})
         )
 
     ran(passed=False)
     with pytest.raises(OverlayError, match="tests failed") as failed:
-        gate.require_pass(layout, VERSION)
+        rebase_state.require_pass(layout, VERSION)
     assert f"the overlay's tests in {tests} " in failed.value.next_step
     assert "ci/overlay-tests.txt" in failed.value.next_step
     assert f"`ci/overlay rebase-test {VERSION}`" in failed.value.next_step
@@ -872,9 +884,9 @@ def test_overlay_tests_changed_in_the_rebase_are_gated_and_adopted(
     edited = name.read_text() + "\n# the release keeps block ids, not blocks\n"
     name.write_text(edited)
     with pytest.raises(OverlayError, match="changed since the overlay's tests ran"):
-        gate.require_pass(layout, VERSION)
+        rebase_state.require_pass(layout, VERSION)
     ran(passed=True)
-    gate.require_pass(layout, VERSION)
+    rebase_state.require_pass(layout, VERSION)
     adopt.adopt(layout, VERSION)
     assert (layout.overlay / name.relative_to(rebased / "overlay")).read_text() == (
         edited

@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_overlay import gate, gitrun, workspace
+from vllm_overlay import gitrun, rebase, rebase_state, workspace
 from vllm_overlay.paths import Layout, copy_checkout
 
 _BLOCK = re.compile(r"<!-- walkthrough: (\w+) -->\n```sh\n(.*?)```", re.S)
@@ -33,7 +33,7 @@ GIT_IDENTITY = {
     "GIT_COMMITTER_EMAIL": "maintainer@example.invalid",
 }
 # What the checks print once the rebase is done and they find nothing.
-CHECKED = "rebased series checked (compiles, ruff clean)"
+CHECKED = rebase.CHECKED
 
 
 def git(root: Path, *args: str) -> str:
@@ -191,7 +191,7 @@ class RebaseHuman:
         what the release lacks) from the rebase's copy of the overlay's tests,
         and its node id from the checkout's ``ci/overlay-tests.txt``; return
         the node ids."""
-        record = json.loads((self.ws.parent / gate.RECORD).read_text())
+        record = json.loads((self.ws.parent / rebase_state.TEST_RECORD).read_text())
         ids = sorted(set(SKIPPED.findall(Path(record["log"]).read_text())))
         if not ids:
             raise AssertionError(f"the gate's log lists no skipped test: {record}")

