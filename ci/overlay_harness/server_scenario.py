@@ -281,9 +281,10 @@ class Server:
     ``xsub_t::xattach_pipe``), only when the socket's own thread next calls
     into libzmq; a PUB drops what it sends before a subscription reached it.
     Left untouched until the first drain, the subscriber lost batch 0 while
-    every later one arrived (docs/testing.md, "The CPU server test"). So once the
-    server is healthy this waits for the publisher's handshake and makes
-    the subscriber process it before any request.
+    every later one arrived (docs/architecture.md, "The live CPU server
+    scenarios"). So once the server is healthy this waits for the
+    publisher's handshake and makes the subscriber process it before any
+    request.
     """
 
     def __init__(
