@@ -46,6 +46,8 @@ BLOCK_POOL = "vllm/v1/core/block_pool.py"
 OFFLOADING_SCHEDULER = (
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 )
+HISPARSE_POOL = "vllm/v1/hisparse/block_pool.py"
+CONSUMER = "vllm/distributed/kv_events_consumer.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,9 +215,12 @@ _TRACKER_BETWEEN = (
 
 # The silent breakages that a clean 3-way merge of the 0.33.0 series onto
 # vLLM 0.34.0 produced (issue 30: no conflict marker, every one compiled),
-# each remade in today's code: the gate before adopt (`ci/overlay
-# rebase-test`: compile and ruff F821, then the overlay's tests) must fail
-# on each. `--set merge` runs them (docs/merge-mutation.md).
+# each remade in today's code, and two that a maintainer's trial merged and
+# the gate once missed (issue 42: a HiSparse pool with a free_blocks of its
+# own, a consumer reading a misnamed field): the gate before adopt
+# (`ci/overlay rebase-test`: compile and ruff F821, then the overlay's
+# tests) must fail on each. `--set merge` runs them
+# (docs/merge-mutation.md).
 MERGE_MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "0002-num-copies-len-of-id",
@@ -329,6 +334,33 @@ MERGE_MUTANTS: tuple[Mutant, ...] = (
         BLOCK_POOL,
         "        self.referenced_copies.clear()\n        self.lru_copies.clear()\n",
         "        self.referenced_copies.clear()\n",
+    ),
+    Mutant(
+        "hisparse-free-blocks-lru",
+        "a release's HiSparse host pool overrides free_blocks with a plain LRU "
+        "append, bypassing the series' ordering of surplus copies",
+        HISPARSE_POOL,
+        "    shares_event_queue = True\n    reset_events_per_key = True\n",
+        "    shares_event_queue = True\n"
+        "    reset_events_per_key = True\n"
+        "\n"
+        "    def free_blocks(self, ordered_blocks, evict_first=False):\n"
+        "        freed = []\n"
+        "        for block in ordered_blocks:\n"
+        "            if block.is_null:\n"
+        "                continue\n"
+        "            block.ref_cnt -= 1\n"
+        "            if block.ref_cnt == 0:\n"
+        "                freed.append(block)\n"
+        "        self.free_block_queue.append_n(freed)\n",
+    ),
+    Mutant(
+        "consumer-misnamed-field",
+        "the consumer reads a BlockStored field by a name the schema does not "
+        "have (`lookahead_tokens`), so every block's lookahead tokens are None",
+        CONSUMER,
+        '    lookahead = getattr(event, "lookahead_token_ids", None)\n',
+        '    lookahead = getattr(event, "lookahead_tokens", None)\n',
     ),
     Mutant(
         "0010-fast-path-merged",
@@ -508,7 +540,12 @@ def new_findings(before: list[str], after: list[str]) -> list[str]:
 def relevant_first(tests: list[str], file: str) -> list[str]:
     """``tests`` with those of the mutated module's own area first, so that
     a run that stops at its first failure stops sooner."""
-    area = "kv_connector" if "kv_connector" in file else "v1/core"
+    if "kv_connector" in file:
+        area = "kv_connector"
+    elif file.startswith("vllm/distributed/kv_events"):
+        area = "tests/distributed"
+    else:
+        area = "v1/core"
     return sorted(tests, key=lambda t: (area not in t, t))
 
 
@@ -521,7 +558,9 @@ def render_merge(report: dict[str, Any]) -> str:
         f"Run {report['date']} UTC, {report['wall_s']:.0f} s: `{run_command(report)}`.",
         "",
         "A clean 3-way merge of the 0.33.0 series onto vLLM 0.34.0 left these "
-        "mistakes without a conflict marker (issue 30). Each is remade as a "
+        "mistakes without a conflict marker (issue 30); a maintainer's trial "
+        "merged two more that the gate once missed (issue 42: the HiSparse and "
+        "consumer rows). Each is remade as a "
         "mutant of today's patched tree (`MERGE_MUTANTS`) and put through the "
         "two halves of the gate that `ci/overlay rebase-test VERSION` runs "
         "before `adopt`: the static check (every touched file compiles and "

@@ -57,14 +57,23 @@ def _init_none_hash():
     init_none_hash(sha256)
 
 
-def make_pool(copy_semantics: str = "logical") -> BlockPool:
-    return BlockPool(
+# The pools whose free_blocks orders copies: the device pool, and HiSparse's
+# host pool, which publishes into the device pool's event queue. A subclass
+# that overrides free_blocks must keep the order too.
+POOL_KINDS = ("device", "host")
+
+
+def make_pool(copy_semantics: str = "logical", kind: str = "device") -> BlockPool:
+    options = dict(
         num_gpu_blocks=NUM_BLOCKS,
         enable_caching=True,
         hash_block_size=BLOCK_SIZE,
         enable_kv_cache_events=True,
         kv_events_copy_semantics=copy_semantics,
     )
+    if kind == "host":
+        return SharedEventQueueBlockPool(event_owner=BlockPool(**options), **options)
+    return BlockPool(**options)
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
@@ -98,9 +107,12 @@ def resident_copies(pool: BlockPool, token_ids: list[int]) -> set[int]:
     return set(copies(pool, key))
 
 
+@pytest.mark.parametrize("pool_kind", POOL_KINDS)
 @pytest.mark.parametrize("copy_semantics", KV_EVENTS_COPY_SEMANTICS)
-def test_freed_copy_leaves_first_while_another_copy_is_in_use(copy_semantics):
-    pool = make_pool(copy_semantics)
+def test_freed_copy_leaves_first_while_another_copy_is_in_use(
+    copy_semantics, pool_kind
+):
+    pool = make_pool(copy_semantics, pool_kind)
     a = compute(pool, "a", PROMPT)
     b = compute(pool, "b", PROMPT)
     unique = compute(pool, "u", [5, 6, 7, 8])
@@ -192,8 +204,9 @@ def test_reset_forgets_which_copy_held_the_key_place():
     assert pool.get_cached_block(block_hash_of(PROMPT), [0]) == [b]
 
 
-def test_latest_freed_copy_keeps_the_key_recency():
-    pool = make_pool()
+@pytest.mark.parametrize("pool_kind", POOL_KINDS)
+def test_latest_freed_copy_keeps_the_key_recency(pool_kind):
+    pool = make_pool(kind=pool_kind)
     a = compute(pool, "a", PROMPT)
     pool.free_blocks([a])
     # A repeat of the prompt recomputes its last block into a second copy.
@@ -210,8 +223,9 @@ def test_latest_freed_copy_keeps_the_key_recency():
     assert resident_copies(pool, PROMPT) == {b.block_id}
 
 
-def test_copies_freed_in_one_call():
-    pool = make_pool()
+@pytest.mark.parametrize("pool_kind", POOL_KINDS)
+def test_copies_freed_in_one_call(pool_kind):
+    pool = make_pool(kind=pool_kind)
     a = compute(pool, "a", PROMPT)
     b = compute(pool, "b", PROMPT)
     c = compute(pool, "c", PROMPT)
@@ -342,24 +356,14 @@ def test_partial_tail_cached_again_keeps_the_surplus_copy_first():
     assert pool.get_new_blocks(2) == [first_tail, first_full]
 
 
-@pytest.mark.parametrize("pool_kind", ["device", "host"])
+@pytest.mark.parametrize("pool_kind", POOL_KINDS)
 def test_unpinned_copy_keeps_its_place(pool_kind):
     """HiSparse unpins a page whose host copy is durable: the pool counts it
     as free, but a request reads it until the pool hands it out
     (``unpin_blocks``). A second copy of its key, freed later, must not send
     the page to the front of the free queue: never-used blocks go first, as
     they do upstream."""
-    pool = (
-        make_pool()
-        if pool_kind == "device"
-        else SharedEventQueueBlockPool(
-            num_gpu_blocks=NUM_BLOCKS,
-            enable_caching=True,
-            hash_block_size=BLOCK_SIZE,
-            enable_kv_cache_events=True,
-            event_owner=make_pool(),
-        )
-    )
+    pool = make_pool(kind=pool_kind)
     page = compute(pool, "reader", PROMPT)
     handed_out: list[KVCacheBlock] = []
     pool.unpin_blocks([page], handed_out.append)
