@@ -84,7 +84,7 @@ def timed_steps(rows: list[Row], started: float) -> list[dict[str, Any]]:
 def slowest_modules(junits: list[Path]) -> list[dict[str, Any]]:
     """The test modules that took longest, with their summed test times,
     over the JUnit files of the lanes' pytest runs."""
-    cases = []
+    cases: list[ET.Element] = []
     for junit in junits:
         try:
             cases += ET.parse(junit).getroot().iter("testcase")
