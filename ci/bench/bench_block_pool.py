@@ -305,6 +305,56 @@ def bytecode_ratios(
     return out
 
 
+def worker_args(num_requests: int, quick: bool) -> list[str]:
+    """The workers' command line: the workloads' sizes."""
+    return [
+        "--num-requests",
+        str(num_requests),
+        "--num-gpu-blocks",
+        str(10000 if quick else 100000),
+        "--num-iteration",
+        str(100 if quick else 1000),
+        "--passes",
+        str(1 if quick else PASSES),
+    ]
+
+
+def generations(repeats: int, quick: bool, per_process: int) -> tuple[int, list[range]]:
+    """Repeats per pair of worker processes, and each pair's repeats."""
+    # Generations of worker processes: ``per_process`` repeats in each pair
+    # of processes, then a fresh pair, so that the medians (and the half-split)
+    # also sample the spread between separate processes (memory layout and
+    # the like persist within a process and bias all its repeats alike).
+    # A smoke run (``quick``) keeps one generation: fewer start-ups.
+    step = repeats if quick or per_process <= 0 else per_process
+    return step, [range(i, min(i + step, repeats)) for i in range(0, repeats, step)]
+
+
+def run_repeats(
+    session: bl.Session,
+    reps: range,
+    gen: int,
+    repeats: int,
+    runs: dict[str, list[dict[str, Any]]],
+    log: Any,
+) -> None:
+    """One generation's timed repeats, the trees alternated ABAB (the
+    order flipped every repeat), appended to ``runs``."""
+    for rep in reps:
+        order = ["patched", "unpatched"] if rep % 2 == 0 else ["unpatched", "patched"]
+        for name in order:
+            res = session.call(name, {"cmd": "run", "repeat": rep})
+            res["order"] = order.index(name)
+            res["generation"] = gen
+            runs[name].append(res)
+        print(
+            f"[block_pool] repeat {rep + 1}/{repeats} done (process "
+            f"generation {gen + 1})",
+            file=log,
+            flush=True,
+        )
+
+
 def drive(
     python: str,
     patched: Path,
@@ -318,30 +368,15 @@ def drive(
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, not {repeats}")
     num_requests = 150 if quick else 1500
-    args = [
-        "--num-requests",
-        str(num_requests),
-        "--num-gpu-blocks",
-        str(10000 if quick else 100000),
-        "--num-iteration",
-        str(100 if quick else 1000),
-        "--passes",
-        str(1 if quick else PASSES),
-    ]
+    args = worker_args(num_requests, quick)
     trees = {"patched": patched, "unpatched": unpatched}
     t0 = time.time()
     started = f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC"
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    # Generations of worker processes: ``per_process`` repeats in each pair
-    # of processes, then a fresh pair, so that the medians (and the half-split)
-    # also sample the spread between separate processes (memory layout and
-    # the like persist within a process and bias all its repeats alike).
-    # ``shared`` workers, if given, serve the first generation.  A smoke run
-    # (``quick``) keeps one generation: fewer start-ups.
-    step = repeats if quick or per_process <= 0 else per_process
-    generations = [range(i, min(i + step, repeats)) for i in range(0, repeats, step)]
+    step, gens = generations(repeats, quick, per_process)
     infos: dict[str, Any] = {}
-    for gen, reps in enumerate(generations):
+    for gen, reps in enumerate(gens):
+        # ``shared`` workers, if given, serve the first generation.
         session = bl.Session(
             "block_pool",
             python,
@@ -352,24 +387,8 @@ def drive(
         )
         infos = session.infos
         try:
-            for rep in reps:
-                order = (
-                    ["patched", "unpatched"]
-                    if rep % 2 == 0
-                    else ["unpatched", "patched"]
-                )
-                for name in order:
-                    res = session.call(name, {"cmd": "run", "repeat": rep})
-                    res["order"] = order.index(name)
-                    res["generation"] = gen
-                    runs[name].append(res)
-                print(
-                    f"[block_pool] repeat {rep + 1}/{repeats} done (process "
-                    f"generation {gen + 1})",
-                    file=log,
-                    flush=True,
-                )
-            if gen == len(generations) - 1:
+            run_repeats(session, reps, gen, repeats, runs, log)
+            if gen == len(gens) - 1:
                 # Once, after the timed repeats: tracing is slow.
                 counts = {
                     name: session.call(name, {"cmd": "count"})["bytecodes"]
@@ -384,7 +403,7 @@ def drive(
         "started": started,
         "repeats": repeats,
         "repeats_per_process": step,
-        "process_generations": len(generations),
+        "process_generations": len(gens),
         "quick": quick,
         "num_requests": num_requests,
         "worker_args": args,

@@ -844,9 +844,73 @@ def plot(rows: list[dict[str, Any]], out: Path) -> str:
     return "fleet.png"
 
 
-def driver_main(args: argparse.Namespace) -> int:
+def fleet_pythons(
+    wheels: dict[str, Path], cache: Path, log_dir: Path
+) -> dict[str, Path] | None:
+    """Per wheel, the fleet's Python (Dynamo layered over a serving venv of
+    our wheel); None, said on stderr, where one cannot be made."""
     from overlay_harness.serve_env import serve_env
     from vllm_overlay.errors import OverlayError
+
+    try:
+        base = serve_env(wheels["ours"])
+        return {
+            label: fleet_env(wheel, base, cache, log_dir / f"env-{label}.log")
+            for label, wheel in wheels.items()
+        }
+    except OverlayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def fleet_sizes(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """Repeats, rounds, conversations and turns: the smoke run's or the
+    options'."""
+    repeats, rounds = (1, 1) if args.quick else (args.repeats, args.rounds)
+    convs, turns = (4, 2) if args.quick else (args.conversations, args.turns)
+    return repeats, rounds, convs, turns
+
+
+def run_fleet_worker(
+    python: Path, label: str, rep: int, args: argparse.Namespace, log_dir: Path
+) -> dict[str, Any] | None:
+    """One repeat's fleet of ``label``'s wheel, in a worker process of its
+    own; None, said on stderr, where it failed."""
+    repeats, rounds, convs, turns = fleet_sizes(args)
+    cmd = [
+        str(python),
+        str(Path(__file__).resolve()),
+        "--fleet-worker",
+        "--label",
+        label,
+        "--rotate",
+        str(rep * rounds),
+        "--rounds",
+        str(rounds),
+        "--seed",
+        str(args.seed),
+        "--conversations",
+        str(convs),
+        "--turns",
+        str(turns),
+        "--log-dir",
+        str(log_dir / f"repeat-{rep}"),
+    ]
+    print(f"repeat {rep + 1}/{repeats}: {label}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        print(
+            f"error: the {label} fleet failed ({proc.returncode}):\n"
+            f"{proc.stderr[-4000:]}\nlogs: {log_dir}",
+            file=sys.stderr,
+        )
+        return None
+    fleet: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    fleet["repeat"] = rep
+    return fleet
+
+
+def driver_main(args: argparse.Namespace) -> int:
     from vllm_overlay.paths import default_layout
 
     wheels = {"ours": args.wheel, "official": args.official_wheel}
@@ -860,53 +924,19 @@ def driver_main(args: argparse.Namespace) -> int:
     layout = default_layout()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        base = serve_env(args.wheel)
-        pythons = {
-            label: fleet_env(wheel, base, layout.cache, log_dir / f"env-{label}.log")
-            for label, wheel in wheels.items()
-        }
-    except OverlayError as e:
-        print(f"error: {e}", file=sys.stderr)
+    pythons = fleet_pythons(wheels, layout.cache, log_dir)
+    if pythons is None:
         return 2
-    repeats, rounds = (1, 1) if args.quick else (args.repeats, args.rounds)
-    convs, turns = (4, 2) if args.quick else (args.conversations, args.turns)
+    repeats, rounds, convs, turns = fleet_sizes(args)
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
     fleets = []
     for rep in range(repeats):
         order = list(WHEELS) if rep % 2 == 0 else list(reversed(WHEELS))
         for label in order:
-            cmd = [
-                str(pythons[label]),
-                str(Path(__file__).resolve()),
-                "--fleet-worker",
-                "--label",
-                label,
-                "--rotate",
-                str(rep * rounds),
-                "--rounds",
-                str(rounds),
-                "--seed",
-                str(args.seed),
-                "--conversations",
-                str(convs),
-                "--turns",
-                str(turns),
-                "--log-dir",
-                str(log_dir / f"repeat-{rep}"),
-            ]
-            print(f"repeat {rep + 1}/{repeats}: {label}", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                print(
-                    f"error: the {label} fleet failed ({proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}\nlogs: {log_dir}",
-                    file=sys.stderr,
-                )
+            fleet = run_fleet_worker(pythons[label], label, rep, args, log_dir)
+            if fleet is None:
                 return 2
-            fleet = json.loads(proc.stdout.strip().splitlines()[-1])
-            fleet["repeat"] = rep
             fleets.append(fleet)
     rows = aggregate(fleets)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -431,6 +431,18 @@ def verdicts(res: dict[str, Any]) -> dict[str, tuple[str, int]]:
 
 
 def report_lines(res: dict[str, Any]) -> list[str]:
+    """dup_first.md: the trees' hits and copies, dup_first against the
+    series per seed, the event volume and 0006's ship rule."""
+    return [
+        *copies_table(res),
+        *computed_per_seed_table(res),
+        *event_volume_table(res),
+        *ship_rule_lines(res),
+    ]
+
+
+def copies_table(res: dict[str, Any]) -> list[str]:
+    """The report's title and method, and each tree's hits and copies."""
     seeds = res["seeds"]
     lines = [
         "# Duplicates leave first: three trees, one run"
@@ -459,7 +471,13 @@ def report_lines(res: dict[str, Any]) -> list[str]:
                 f"| {fmt(s['copies_mean'], 3)} | {fmt(s['copies_max'])} "
                 f"| {fmt(s['dup_keys_mean'], 2)} |"
             )
-    lines += [
+    return lines
+
+
+def computed_per_seed_table(res: dict[str, Any]) -> list[str]:
+    """Blocks computed, dup_first minus the series, seed by seed."""
+    seeds = res["seeds"]
+    lines = [
         "",
         "Blocks computed per seed, dup_first minus series (negative: fewer):",
         "",
@@ -472,7 +490,12 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             for s, d in zip(runs["series"], runs["dup_first"], strict=True)
         ]
         lines.append(f"| {trace} | " + " | ".join(f"{x:g}" for x in diffs) + " |")
-    lines += [
+    return lines
+
+
+def event_volume_table(res: dict[str, Any]) -> list[str]:
+    """Event volume per tree and policy."""
+    lines = [
         "",
         "Event volume per policy (hashes in BlockStored / BlockRemoved, "
         "messages and bytes as ZmqEventPublisher sends them; median over seeds; "
@@ -491,11 +514,16 @@ def report_lines(res: dict[str, Any]) -> list[str]:
                     f"| {ev['messages']['median']:g} "
                     f"| {ev['frame_bytes']['median']:g} |"
                 )
+    return lines
+
+
+def ship_rule_lines(res: dict[str, Any]) -> list[str]:
+    """0006's ship rule per trace, whether it was met, and the provenance."""
     v = verdicts(res)
     met = all(kind != "more" and worse == 0 for kind, worse in v.values()) and any(
         kind == "fewer" for kind, _ in v.values()
     )
-    lines += [
+    return [
         "",
         "The ship rule of 0006, dup_first against the series: fewer blocks "
         "computed on every trace, or equal on some and fewer on the others "
@@ -514,7 +542,6 @@ def report_lines(res: dict[str, Any]) -> list[str]:
         + ".",
         "",
     ]
-    return lines
 
 
 def run(

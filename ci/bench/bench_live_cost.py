@@ -261,6 +261,59 @@ def skipped(reason: str) -> dict[str, Any]:
     return {"skipped": reason}
 
 
+def live_workers(
+    wheels: dict[str, Path], jobs: int, log_dir: Path
+) -> dict[str, bl.Worker]:
+    """Per wheel, its serving venv and the worker process that starts its
+    server (started here, told hello by the caller)."""
+    pythons = {w: serve_env(wheels[w], WHEELS[w][0]) for w in ORDER}
+    script = Path(__file__).resolve()
+    return {
+        w: bl.Worker(
+            str(pythons[w]),
+            script,
+            site_packages(pythons[w]),
+            [
+                "--label",
+                w,
+                "--policy",
+                WHEELS[w][1],
+                "--jobs",
+                str(jobs),
+                "--log-dir",
+                str(log_dir),
+            ],
+        )
+        for w in ORDER
+    }
+
+
+def run_pairs(
+    workers: dict[str, bl.Worker], pairs: int, log: Any
+) -> list[dict[str, Any]]:
+    """The timed phases, A, B, B, A, ...: the wheel that goes first flips
+    every pair."""
+    runs: list[dict[str, Any]] = []
+    for pair in range(pairs):
+        order = ORDER if pair % 2 == 0 else ORDER[::-1]
+        for position, w in enumerate(order):
+            run = {
+                "pair": pair,
+                "wheel": w,
+                "first": position == 0,
+                **workers[w].call({"cmd": "phase"}),
+            }
+            runs.append(run)
+            print(
+                f"[live_cost] pair {pair} {w}: {run['requests_per_s']:.2f} req/s, "
+                f"p50 {1e3 * run['p50_latency_s']:.0f} ms, server CPU "
+                f"{run['server_cpu_ms_per_request']:.1f} ms/req",
+                file=log,
+                flush=True,
+            )
+    return runs
+
+
 def drive(
     cpu_wheel: Path,
     official_wheel: Path,
@@ -280,48 +333,12 @@ def drive(
     started = dt.datetime.now(dt.UTC)
     machine_start = machine()
     t0 = time.monotonic()
-    pythons = {w: serve_env(wheels[w], WHEELS[w][0]) for w in ORDER}
-    script = Path(__file__).resolve()
-    workers = {
-        w: bl.Worker(
-            str(pythons[w]),
-            script,
-            site_packages(pythons[w]),
-            [
-                "--label",
-                w,
-                "--policy",
-                WHEELS[w][1],
-                "--jobs",
-                str(jobs),
-                "--log-dir",
-                str(log_dir),
-            ],
-        )
-        for w in ORDER
-    }
-    runs: list[dict[str, Any]] = []
+    workers = live_workers(wheels, jobs, log_dir)
     try:
         # Both servers start and warm up at once; hello waits for each.
         infos = {w: workers[w].hello() for w in ORDER}
         print(f"[live_cost] servers up after {time.monotonic() - t0:.0f} s", file=log)
-        for pair in range(pairs):
-            order = ORDER if pair % 2 == 0 else ORDER[::-1]
-            for position, w in enumerate(order):
-                run = {
-                    "pair": pair,
-                    "wheel": w,
-                    "first": position == 0,
-                    **workers[w].call({"cmd": "phase"}),
-                }
-                runs.append(run)
-                print(
-                    f"[live_cost] pair {pair} {w}: {run['requests_per_s']:.2f} req/s, "
-                    f"p50 {1e3 * run['p50_latency_s']:.0f} ms, server CPU "
-                    f"{run['server_cpu_ms_per_request']:.1f} ms/req",
-                    file=log,
-                    flush=True,
-                )
+        runs = run_pairs(workers, pairs, log)
     finally:
         for worker in workers.values():
             worker.close()
@@ -359,44 +376,64 @@ def report_lines(res: dict[str, Any]) -> list[str]:
     title = "## 5. The live cost: our CPU wheel's API server / the official one's"
     if "skipped" in res:
         return [title, "", f"Not measured in this run: {res['skipped']}", ""]
-    f = res["figures"]
-    ours, off = f["ours"], f["official"]
-
-    def ms(s: float) -> str:
-        return f"{1e3 * s:.0f}"
-
-    out = [
+    return [
         title,
         "",
-        (
-            "`ci/bench/bench_live_cost.py`: the concurrent workload of the CPU "
-            f"server load test ({res['clients']} clients, "
-            f"{res['jobs_per_client']} requests each per phase: prompt "
-            "families, popular prompts, bursts of duplicates, clients that "
-            f"hang up; {res['kv_blocks']} KV blocks; seed {res['seed']}) on "
-            "two real API servers up side by side, KV events on over ZMQ to a "
-            "live subscriber: ours `"
-            f"{res['wheels']['ours']}` (copy_semantics "
-            f"{res['policies']['ours']}) and the official `"
-            f"{res['wheels']['official']}`. {res['pairs']} pairs of phases "
-            "alternated A, B, B, A, ... (the wheel that goes first flips "
-            "every pair), each on an emptied prefix "
-            "cache after one untimed warm-up phase per server. Throughput: "
-            "requests per second over a phase; latency: the p50 of its "
-            "completed requests; server CPU: user + system time of the "
-            "server's processes (API server, engine core) over the phase and "
-            "its quiesce, per request sent, which other load on the machine "
-            "disturbs less than wall time. Medians over phases; *halves*: the "
-            "median "
-            "of each time-ordered half of a wheel's phases (the same-version "
-            "spread)."
-        ),
+        method_text(res),
         "",
         (
             f"Run {res['started']} UTC, {res['wall_s']:.0f} s, machine "
             f"{res['machine_start']}; at the end: {res['machine_end']}."
         ),
         "",
+        *figures_table(res),
+        *moved_note(res),
+        "",
+        f"Per pair, ours / official: throughput {pair_ratios(res, 'throughput')}; "
+        f"p50 latency {pair_ratios(res, 'p50_latency')}.",
+        *order_effect(res),
+        *phases_table(res),
+        "",
+    ]
+
+
+def ms(s: float) -> str:
+    """Seconds in whole milliseconds."""
+    return f"{1e3 * s:.0f}"
+
+
+def method_text(res: dict[str, Any]) -> str:
+    """What was served, to which load, and how it was timed."""
+    return (
+        "`ci/bench/bench_live_cost.py`: the concurrent workload of the CPU "
+        f"server load test ({res['clients']} clients, "
+        f"{res['jobs_per_client']} requests each per phase: prompt "
+        "families, popular prompts, bursts of duplicates, clients that "
+        f"hang up; {res['kv_blocks']} KV blocks; seed {res['seed']}) on "
+        "two real API servers up side by side, KV events on over ZMQ to a "
+        "live subscriber: ours `"
+        f"{res['wheels']['ours']}` (copy_semantics "
+        f"{res['policies']['ours']}) and the official `"
+        f"{res['wheels']['official']}`. {res['pairs']} pairs of phases "
+        "alternated A, B, B, A, ... (the wheel that goes first flips "
+        "every pair), each on an emptied prefix "
+        "cache after one untimed warm-up phase per server. Throughput: "
+        "requests per second over a phase; latency: the p50 of its "
+        "completed requests; server CPU: user + system time of the "
+        "server's processes (API server, engine core) over the phase and "
+        "its quiesce, per request sent, which other load on the machine "
+        "disturbs less than wall time. Medians over phases; *halves*: the "
+        "median "
+        "of each time-ordered half of a wheel's phases (the same-version "
+        "spread)."
+    )
+
+
+def figures_table(res: dict[str, Any]) -> list[str]:
+    """Per measure, each wheel's median, halves and range, and the ratio."""
+    f = res["figures"]
+    ours, off = f["ours"], f["official"]
+    out = [
         (
             "| measure | ours | official | ours / official | goal | met "
             "| ours halves, h2/h1 | official halves, h2/h1 "
@@ -434,10 +471,17 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             f"{b['h2_over_h1']:.3f} "
             f"| {v(a['min'])} - {v(a['max'])} | {v(b['min'])} - {v(b['max'])} |"
         )
+    return out
+
+
+def moved_note(res: dict[str, Any]) -> list[str]:
+    """A warning where the same wheel's halves moved more than the goal's
+    margin."""
+    f = res["figures"]
     moved = max(abs(1 - f[w]["requests_per_s"]["h2_over_h1"]) for w in ORDER)
     margin = 1 - res["throughput_goal"]
     if moved > margin:
-        out += [
+        return [
             "",
             (
                 f"The same wheel's throughput moved by up to {moved:.0%} "
@@ -447,11 +491,12 @@ def report_lines(res: dict[str, Any]) -> list[str]:
                 "whichever way they point."
             ),
         ]
-    out += [
-        "",
-        f"Per pair, ours / official: throughput {pair_ratios(res, 'throughput')}; "
-        f"p50 latency {pair_ratios(res, 'p50_latency')}.",
-        *order_effect(res),
+    return []
+
+
+def phases_table(res: dict[str, Any]) -> list[str]:
+    """Every timed phase."""
+    out = [
         "",
         "| pair | wheel | requests | completed | s | req/s | p50 ms | p95 ms "
         "| server CPU ms/req | client CPU ms/req | event batches |",
@@ -465,7 +510,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             f"| {r['server_cpu_ms_per_request']:.1f} "
             f"| {r['client_cpu_ms_per_request']:.1f} | {r['event_batches']} |"
         )
-    return [*out, ""]
+    return out
 
 
 def order_effect(res: dict[str, Any]) -> list[str]:

@@ -141,27 +141,17 @@ TRACES: dict[str, tuple[Any, int]] = {
 }
 
 
-def run_trace(
-    model_dir: str,
-    trace_name: str,
-    policy: str | None,
-    num_requests: int,
-    num_gpu_blocks: int,
-    max_steps: int,
-) -> dict[str, Any]:
-    import numpy as np
-    from vllm.distributed.kv_events import MEDIUM_GPU
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    bs = bl.BLOCK_SIZE
-    rng = np.random.default_rng(4)
-    make, max_num_seqs = TRACES[trace_name]
+def trace_scheduler(
+    model_dir: str, policy: str | None, num_gpu_blocks: int, max_num_seqs: int
+) -> Any:
+    """A real v1 Scheduler with KV events on (``policy``: its
+    ``copy_semantics``; None leaves the field out)."""
     kv_events: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "null"}
     if policy is not None:
         kv_events["copy_semantics"] = policy
     from vllm.config import KVEventsConfig
 
-    scheduler = bl.make_cpu_scheduler(
+    return bl.make_cpu_scheduler(
         model_dir,
         num_gpu_blocks,
         max_num_seqs,
@@ -172,6 +162,65 @@ def run_trace(
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
     )
+
+
+def arrival_sample(req: Any, kvm: Any, mirrors: dict[str, Any]) -> dict[str, int]:
+    """A request's prefix hit as it arrives: the engine's, the longest
+    prefix in the pool's index, and each mirror's, capped as the engine
+    caps it and uncapped."""
+    from vllm.distributed.kv_events import MEDIUM_GPU
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    pool = kvm.block_pool
+    keys = [(MEDIUM_GPU, 0, maybe_convert_block_hash(h)) for h in req.block_hashes]
+    max_hit = (req.num_tokens - 1) // bl.BLOCK_SIZE
+    _, ntok, *_ = kvm.get_computed_blocks(req)
+    index_hit = 0
+    for h in req.block_hashes:
+        if pool.get_cached_block(h, [0]) is None:
+            break
+        index_hit += 1
+    s = {"engine": ntok // bl.BLOCK_SIZE, "index": index_hit}
+    for name, m in mirrors.items():
+        s[f"{name}_capped"] = bl.prefix_len(keys[:max_hit], m.__contains__)
+        s[f"{name}_full"] = bl.prefix_len(keys, m.__contains__)
+    return s
+
+
+def mirror_scores(
+    samples: list[dict[str, int]], mirrors: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Each mirror's score against the engine (capped) and the index
+    (uncapped), over every request."""
+    scores: dict[str, dict[str, Any]] = {}
+    for name in mirrors:
+        for ref, col in (("engine", f"{name}_capped"), ("index", f"{name}_full")):
+            diffs = [s[col] - s[ref] for s in samples]
+            n = len(diffs)
+            scores[f"{name}_vs_{ref}"] = {
+                "n": n,
+                "exact_rate": sum(d == 0 for d in diffs) / n if n else float("nan"),
+                "mae_blocks": sum(abs(d) for d in diffs) / n if n else float("nan"),
+                "over": sum(d > 0 for d in diffs),
+                "under": sum(d < 0 for d in diffs),
+                "max_abs": max((abs(d) for d in diffs), default=0),
+            }
+    return scores
+
+
+def run_trace(
+    model_dir: str,
+    trace_name: str,
+    policy: str | None,
+    num_requests: int,
+    num_gpu_blocks: int,
+    max_steps: int,
+) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    make, max_num_seqs = TRACES[trace_name]
+    scheduler = trace_scheduler(model_dir, policy, num_gpu_blocks, max_num_seqs)
     # The scheduler hands it exactly the batches ZmqEventPublisher would get.
     cap = bl.EventTap()
     scheduler.kv_event_publisher = cap
@@ -198,22 +247,7 @@ def run_trace(
                 req = bl.make_request(f"r{n_req}", prompt, hasher, max_tokens)
                 n_req += 1
                 pending_at_arrival += len(pool.kv_event_queue)
-                keys = [
-                    (MEDIUM_GPU, 0, maybe_convert_block_hash(h))
-                    for h in req.block_hashes
-                ]
-                max_hit = (req.num_tokens - 1) // bs
-                _, ntok, *_ = kvm.get_computed_blocks(req)
-                index_hit = 0
-                for h in req.block_hashes:
-                    if pool.get_cached_block(h, [0]) is None:
-                        break
-                    index_hit += 1
-                s = {"engine": ntok // bs, "index": index_hit}
-                for name, m in cap.mirrors.items():
-                    s[f"{name}_capped"] = bl.prefix_len(keys[:max_hit], m.__contains__)
-                    s[f"{name}_full"] = bl.prefix_len(keys, m.__contains__)
-                samples.append(s)
+                samples.append(arrival_sample(req, kvm, cap.mirrors))
                 scheduler.add_request(req)
             i += take
         if scheduler.has_unfinished_requests():
@@ -222,19 +256,7 @@ def run_trace(
         if steps > max_steps:
             raise RuntimeError(f"trace did not finish in {max_steps} steps")
     end_check = cap.mirror_check(bl.resident_external_keys(pool))
-    scores: dict[str, dict[str, Any]] = {}
-    for name in cap.mirrors:
-        for ref, col in (("engine", f"{name}_capped"), ("index", f"{name}_full")):
-            diffs = [s[col] - s[ref] for s in samples]
-            n = len(diffs)
-            scores[f"{name}_vs_{ref}"] = {
-                "n": n,
-                "exact_rate": sum(d == 0 for d in diffs) / n if n else float("nan"),
-                "mae_blocks": sum(abs(d) for d in diffs) / n if n else float("nan"),
-                "over": sum(d > 0 for d in diffs),
-                "under": sum(d < 0 for d in diffs),
-                "max_abs": max((abs(d) for d in diffs), default=0),
-            }
+    scores = mirror_scores(samples, cap.mirrors)
     scheduler.shutdown()
     return {
         "trace": trace_name,
