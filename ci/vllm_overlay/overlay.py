@@ -92,7 +92,7 @@ def series_digest(layout: Layout) -> str:
 def labelled_pin(layout: Layout) -> Pin:
     """The pin with the series' digest appended to its local label, so two
     different series never give the same wheel name and version:
-    ``0.33.0+overlay.1.s<10 hex>``. ``local_label`` stays the human part."""
+    ``0.34.0+overlay.1.s<10 hex>``. ``local_label`` stays the human part."""
     pin = load_pin(layout.pin)
     label = f"{pin.local_label}.s{series_digest(layout)[:10]}"
     return dataclasses.replace(pin, local_label=label)
