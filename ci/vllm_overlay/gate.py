@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 from vllm_overlay import build, rebase_state
-from vllm_overlay.dist import remove_path
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.files import remove_path
 from vllm_overlay.paths import Layout, copy_checkout
 from vllm_overlay.pin import load_pin
 from vllm_overlay.proc import output_of

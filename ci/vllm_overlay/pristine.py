@@ -36,8 +36,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_overlay.dist import remove_path
 from vllm_overlay.fetch import fetch
+from vllm_overlay.files import remove_path
 from vllm_overlay.pin import Pin
 
 # Raise when what the record covers changes, so an old record never passes.

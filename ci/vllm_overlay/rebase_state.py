@@ -19,8 +19,8 @@ import shutil
 from pathlib import Path
 
 from vllm_overlay import workspace
-from vllm_overlay.dist import remove_path
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.files import remove_path
 from vllm_overlay.paths import Layout
 from vllm_overlay.pin import load_pin
 from vllm_overlay.series import load_series, read_series

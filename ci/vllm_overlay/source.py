@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_overlay import gitrun, pristine
-from vllm_overlay.dist import locked
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import fetch
+from vllm_overlay.files import locked
 from vllm_overlay.pin import Pin
 
 
