@@ -95,25 +95,29 @@ def test_record_ranks_the_modules_of_a_real_pytest_run(tmp_path: Path) -> None:
         )
     )
     (tests / "test_quick.py").write_text("def test_quick():\n    pass\n")
-    junit = tmp_path / "junit.xml"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(tests),
-            "--junitxml",
-            str(junit),
-            "--rootdir",
-            str(tmp_path),
-        ],
-        check=True,
-        capture_output=True,
-        cwd=tmp_path,
-    )
+    # One JUnit file per lane's pytest run; a lane that stopped before its
+    # run wrote none.
+    junits = [tmp_path / "main.xml", tmp_path / "background.xml"]
+    for junit, module in zip(junits, ["test_slow.py", "test_quick.py"], strict=True):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                str(tests / module),
+                "--junitxml",
+                str(junit),
+                "--rootdir",
+                str(tmp_path),
+            ],
+            check=True,
+            capture_output=True,
+            cwd=tmp_path,
+        )
+    junits.append(tmp_path / "never-written.xml")
     steps = _steps(tmp_path, (3, "main", "project tests"), (40, "main", "end"))
     disk = tmp_path / "disk.tsv"
     gib = 2**20  # KiB
@@ -123,7 +127,8 @@ def test_record_ranks_the_modules_of_a_real_pytest_run(tmp_path: Path) -> None:
     (cache / "wheel").write_bytes(b"\1" * 2**20)
     (cache / "same-wheel").hardlink_to(cache / "wheel")
     out = tmp_path / "ci-run.json"
-    args = ["--steps", str(steps), "--junit", str(junit), "--disk", str(disk)]
+    args = ["--steps", str(steps), "--disk", str(disk)]
+    args += [arg for junit in junits for arg in ("--junit", str(junit))]
     args += ["--cache", str(cache), "--started", str(STARTED), "--cold", "yes"]
     assert ci_run.main(["record", *args, "--status", "0", "--out", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -247,4 +247,6 @@ def test_lint_fails_on_a_patch_without_the_separator(
         f"error: {patch}: the header does not end with a line '---': "
         "put that line right before the diff\n"
     ) in result.stderr
-    assert "series ok" not in result.stdout
+    # the hint names the workspace of the patch's own target
+    command = checkout.command
+    assert f"`{command} workspace`, then `{command} export`" in result.stderr

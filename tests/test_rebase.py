@@ -966,7 +966,8 @@ def test_rebase_check_takes_a_release_from_files_on_disk(tmp_path: Path) -> None
 
     unreachable = check()
     assert unreachable.returncode == 1
-    assert f"rebase-check {pin.version} --sdist FILE --wheel FILE" in unreachable.stderr
+    hint = f"rebase-check {pin.version} --sdist {sdist.name} --wheel {wheel.name}`"
+    assert hint in unreachable.stderr
     done = check("--sdist", str(sdist), "--wheel", str(wheel))
     assert done.returncode == 0, done.stderr
     report = json.loads((layout.build / "rebase" / "report.json").read_text())
@@ -977,3 +978,5 @@ def test_rebase_check_takes_a_release_from_files_on_disk(tmp_path: Path) -> None
     refused = check("--sdist", str(misnamed))
     assert refused.returncode == 1
     assert f"{misnamed} is not named {sdist.name}" in refused.stderr
+    copy = f"cp -n {misnamed} {misnamed.with_name(sdist.name)}"
+    assert copy in refused.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -175,8 +176,9 @@ def cache_local(path: Path, expected_name: str, cache_dir: Path) -> PinnedFile:
     if path.name != expected_name:
         raise OverlayError(
             f"{path} is not named {expected_name}, the name the pin will record",
-            f"copy it under that name (`cp {path} {path.with_name(expected_name)}`) "
-            "and give that path",
+            "copy it under that name (`"
+            + shlex.join(["cp", "-n", str(path), str(path.with_name(expected_name))])
+            + "`) and give that path",
         )
     pinned = PinnedFile(expected_name, sha256_of(path))
     target = cache_dir / expected_name
@@ -184,7 +186,8 @@ def cache_local(path: Path, expected_name: str, cache_dir: Path) -> PinnedFile:
         if sha256_of(target) != pinned.sha256:
             raise OverlayError(
                 f"{target} already holds another file named {expected_name}",
-                f"remove it if nothing pins it (`rm {target}`), then run again",
+                f"remove it if nothing pins it (`{shlex.join(['rm', str(target)])}`), "
+                "then run again",
             )
         return pinned
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,14 @@ engine they drive (docs/testing.md).
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 from vllm_overlay import series, source
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.paths import Layout, target_layout
+from vllm_overlay.paths import Layout, target_layout, target_names
 from vllm_overlay.pin import load_pin
 from vllm_overlay.venv import ensure_venv
 
@@ -29,19 +30,19 @@ NOT_HAND_WRITTEN = frozenset(
 SHELL_SCRIPTS = ("build.sh", "ci/*.sh", "ci/overlay", "ci/bench/*.sh", ".ci/run")
 
 
-def target_names(root: Path) -> list[str]:
-    """The main target ("") and each ``targets/NAME/pin.toml``."""
-    return ["", *sorted(p.parent.name for p in (root / "targets").glob("*/pin.toml"))]
-
-
-def series_problems(root: Path) -> list[str]:
-    """Every target's series against its files, and each patch's header."""
-    return [
-        f"{patch.path}: {problem}"
-        for target in target_names(root)
-        for patch in series.load_series(target_layout(root, target).patches)
-        for problem in series.header_problems(patch) + series.diff_problems(patch)
-    ]
+def series_problems(root: Path) -> dict[str, list[str]]:
+    """Per target with any, what is wrong with its series against its files
+    and with each patch's header."""
+    problems = {}
+    for target in target_names(root):
+        found = [
+            f"{patch.path}: {problem}"
+            for patch in series.load_series(target_layout(root, target).patches)
+            for problem in series.header_problems(patch) + series.diff_problems(patch)
+        ]
+        if found:
+            problems[target] = found
+    return problems
 
 
 def stale_version_problems(root: Path) -> list[str]:
@@ -96,18 +97,9 @@ def broken_links(root: Path) -> list[str]:
     return broken
 
 
-def tool_runs(layout: Layout) -> list[list[str]]:
+def tool_runs(layout: Layout, python: str) -> list[list[str]]:
     """The linters' command lines, run from the checkout's root: ruff and
-    mypy from a small cached venv (``ci/requirements-lint.txt``)."""
-    python = str(
-        ensure_venv(
-            layout.cache,
-            "lint-env",
-            [],
-            layout.lint_requirements,
-            layout.logs / "lint-env.log",
-        )
-    )
+    mypy of ``python``, shellcheck."""
     scripts = sorted(
         p.relative_to(layout.root).as_posix()
         for pattern in SHELL_SCRIPTS
@@ -124,32 +116,50 @@ def tool_runs(layout: Layout) -> list[list[str]]:
 def lint(layout: Layout) -> str:
     """Run every check; raise with all that failed."""
     root = layout.root
-    problems = series_problems(root) + stale_version_problems(root)
-    problems += broken_links(root)
+    per_target = series_problems(root)
+    problems = [p for found in per_target.values() for p in found]
+    problems += stale_version_problems(root) + broken_links(root)
     if problems:
+        # A patch is mended in its target's workspace (maintainers.md,
+        # recipe 2); every other problem says its own fix.
+        commands = [Layout(root, target).command for target in per_target]
         raise OverlayError(
             "\n".join(problems),
-            "fix each as it says; a patch in `ci/overlay workspace`, then "
-            "`ci/overlay export` (docs/maintainers.md, recipe 2)",
+            "fix each as it says"
+            + "".join(
+                f"; a patch of {command}'s series in `{command} workspace`, then "
+                f"`{command} export`"
+                for command in commands
+            )
+            + "; then `ci/overlay lint` again",
         )
     if shutil.which("shellcheck") is None:
         raise OverlayError(
             "shellcheck is not installed", "install it: apt-get install shellcheck"
         )
+    python = str(
+        ensure_venv(
+            layout.cache,
+            "lint-env",
+            [],
+            layout.lint_requirements,
+            layout.logs / "lint-env.log",
+        )
+    )
     failed = []
-    for cmd in tool_runs(layout):
+    for cmd in tool_runs(layout, python):
         result = subprocess.run(
             cmd, cwd=root, capture_output=True, text=True, check=False
         )
         if result.returncode:
             failed.append(
-                f"$ {' '.join(cmd[2:] if cmd[1] == '-m' else cmd)}\n"
-                f"{result.stdout}{result.stderr}".rstrip()
+                f"$ {shlex.join(cmd)}\n{result.stdout}{result.stderr}".rstrip()
             )
     if failed:
         raise OverlayError(
             "\n".join(failed),
-            "fix the findings above (`ruff format ci tests` rewrites the "
-            "format), then run `ci/overlay lint` again",
+            "fix the findings above (`"
+            + shlex.join([python, "-m", "ruff", "format", "ci", "tests"])
+            + "` rewrites the format), then `ci/overlay lint` again",
         )
     return "lint ok: series, versions, doc links, ruff, mypy, shellcheck"

@@ -120,12 +120,18 @@ def default_layout(target: str = "") -> Layout:
     return target_layout(Path(__file__).resolve().parents[2], target)
 
 
+def target_names(root: Path) -> list[str]:
+    """The checkout's targets: the main one ("") and each
+    ``targets/NAME/pin.toml``."""
+    return ["", *sorted(p.parent.name for p in (root / "targets").glob("*/pin.toml"))]
+
+
 def target_layout(root: Path, target: str) -> Layout:
     """The layout of ``target`` in the checkout at ``root``; a named target
     must have its pin."""
     layout = Layout(root, target)
     if target and not layout.pin.is_file():
-        known = sorted(p.parent.name for p in layout.targets.glob("*/pin.toml"))
+        known = target_names(root)[1:]
         raise OverlayError(
             f"no target {target!r}: {layout.pin} does not exist",
             "use one of: "

@@ -106,10 +106,12 @@ def _indexed_release(
     try:
         return find_release(version, wheel_tag, project=project)
     except OverlayError as e:
+        wheel = f"{project.replace('-', '_')}-{version}-{wheel_tag}.whl"
         raise OverlayError(
             e.what,
             "check network access to the package index, or give the release's "
-            f"files: `{command} rebase-check {version} --sdist FILE --wheel FILE`",
+            f"files from this folder: `{command} rebase-check {version} --sdist "
+            f"vllm-{version}.tar.gz --wheel {wheel}`",
         ) from None
 
 
