@@ -3,15 +3,14 @@
 What a deployed KV-aware router keeps per engine: a *set* mirror (store
 adds a key, removal discards it: AIBrix, simple routers) and a *counting*
 mirror (one count per stored copy, the key leaves at 0: Dynamo's and
-llm-d's filters). Each is the reference consumer's ``Mirror``
+llm-d's filters). Both live in one reference consumer ``Mirror``
 (``overlay/vllm/distributed/kv_events_consumer.py``, the one the overlay
 tests and the benchmarks use too), loaded from this checkout by path, so
 that a run against any wheel, the official one included, judges the stream
-with one piece of code. A ``Mirror`` keeps both mirrors and a token index
-(a router sees token ids, not block hashes: each ``BlockStored`` names its
-blocks' tokens and its parent's hash), and matches by the one its copy
-semantics names: the set mirror's for "last_copy", the counting mirror's
-for "physical".
+with one piece of code. The ``Mirror`` keeps a token index (a router sees
+token ids, not block hashes: each ``BlockStored`` names its blocks' tokens
+and its parent's hash) of the keys either mirror holds, and matches for
+each by name (``match_views``).
 
 ``predict`` gives what each mirror expects the engine to serve from its
 cache for a prompt: the longest run of leading full blocks the mirror
@@ -54,15 +53,12 @@ class RouterView:
     matches, and the stream's defects as a consumer sees them."""
 
     def __init__(self, block_size: int) -> None:
-        consumer = checkout_consumer()
         self.block_size = block_size
-        # The copy semantics whose stream each router style follows.
-        self.mirrors = {
-            "set": consumer.Mirror("last_copy"),
-            "counting": consumer.Mirror("physical"),
-        }
-        self.set = self.mirrors["set"].set
-        self.counting = self.mirrors["counting"].count
+        # Each router style, by the name of the consumer's mirror it keeps.
+        self.styles = {"set": "set", "counting": "count"}
+        self.mirror = checkout_consumer().Mirror(match_views=self.styles.values())
+        self.set = self.mirror.set
+        self.counting = self.mirror.count
         # Every block hash stored under a parent the stream had stored.
         self._placed: set[Any] = set()
         self.repeat_stores = 0
@@ -95,16 +91,15 @@ class RouterView:
                 self.removed += len(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.cleared += 1
-            for mirror in self.mirrors.values():
-                mirror.apply(ev)
+            self.mirror.apply(ev)
 
     def predict(self, prompt: list[int]) -> dict[str, int]:
         """Tokens of ``prompt`` each mirror expects served from the cache."""
         cap = (len(prompt) - 1) // self.block_size
         out = {}
-        for name, mirror in self.mirrors.items():
-            blocks = max(mirror.match(prompt).values(), default=0)
-            out[name] = min(blocks, cap) * self.block_size
+        for style, view in self.styles.items():
+            blocks = max(self.mirror.match(prompt, view).values(), default=0)
+            out[style] = min(blocks, cap) * self.block_size
         return out
 
     def mirrors_agree(self) -> bool:

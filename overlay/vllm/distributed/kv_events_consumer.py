@@ -221,6 +221,14 @@ class Mirror:
     (``announced``); only keys without extra keys (LoRA, multimodal, cache
     salt) are indexed for ``match``, which takes plain token ids.
 
+    ``match`` answers for the held view, and for each mirror named in
+    ``match_views`` ("set", "count") when asked by name: a key stays
+    announced and indexed while the held view or one of those holds it. Name
+    none in a router: under "last_copy" the counting mirror keeps every key
+    that had a second copy until a clear, and indexing them would keep their
+    announcements too. A harness that compares router styles on one stream
+    names both.
+
     A key's block size is its announcing store's, never another store's of
     its (medium, group): a partial-tail store (``hash_block_size <
     block_size``) announces a block of the hash size beside the group's full
@@ -230,10 +238,20 @@ class Mirror:
     held like any other and left out of the index.
     """
 
-    def __init__(self, copy_semantics: str = "physical") -> None:
+    def __init__(
+        self, copy_semantics: str = "physical", match_views: Iterable[str] = ()
+    ) -> None:
         self.copy_semantics = copy_semantics
         self.set = SetMirror()
         self.count = CountMirror()
+        self._views = {"set": self.set, "count": self.count}
+        unknown = set(match_views) - set(self._views)
+        if unknown:
+            raise ValueError(
+                f"unknown match_views {sorted(unknown)}; a Mirror keeps "
+                f"{', '.join(self._views)}"
+            )
+        self._match_views = [self._views[name] for name in match_views]
         self.announced: dict[MirrorKey, tuple[BlockStored, int]] = {}
         self._index: dict[tuple[Tier, Any, tuple[int, ...]], ExternalBlockHash] = {}
         # Per tier, the block sizes of the indexed keys (how many of each).
@@ -285,7 +303,7 @@ class Mirror:
             self._announce(event)
         elif isinstance(event, BlockRemoved):
             for key in _keys(event):
-                if key in self.announced and not self.held(key):
+                if key in self.announced and not self._indexed(key):
                     announced = self.announced.pop(key)
                     parent, tokens, size = block_fields(*announced)[:3]
                     if self._index.get((key[:2], parent, tokens)) == key[2]:
@@ -296,6 +314,11 @@ class Mirror:
                             del sizes[size]
                             if not sizes:
                                 del self._sizes[key[:2]]
+
+    def _indexed(self, key: MirrorKey) -> bool:
+        """Whether ``key`` stays announced: the held view or a view of
+        ``match_views`` holds it."""
+        return self.held(key) or any(key in view for view in self._match_views)
 
     def _announce(self, event: BlockStored) -> None:
         tier = (event.medium, event.group_idx)
@@ -321,18 +344,31 @@ class Mirror:
                         sizes[size] += 1
                     self._index[entry] = block_hash
 
-    def match(self, token_ids: Sequence[int]) -> dict[Tier, int]:
+    def match(
+        self, token_ids: Sequence[int], view: str | None = None
+    ) -> dict[Tier, int]:
         """Leading full blocks of ``token_ids`` held, per (medium, group)
-        that holds a matchable key. A tier's block size is the largest one of
-        its indexed keys, each key's size the one its own store announced."""
+        that holds a matchable key: held by the held view, or by the mirror
+        ``view`` names (one of ``match_views``). A tier's block size is the
+        largest one of its indexed keys, each key's size the one its own
+        store announced."""
+        holder = self.view if view is None else self._views.get(view)
+        if holder is not self.view and not any(holder is v for v in self._match_views):
+            raise ValueError(
+                f"match view {view!r} is neither the held view nor one of this "
+                f"Mirror's match_views; construct it with match_views=({view!r},)"
+            )
         index = self._index
+
+        def lookup(tier: Tier, parent: Any, tokens: Sequence[int]) -> Any:
+            block_hash = index.get((tier, parent, tuple(tokens)))
+            return block_hash if (*tier, block_hash) in holder else None
+
         return {
             tier: _leading_blocks(
                 token_ids,
                 size,
-                lambda parent, tokens, tier=tier: index.get(
-                    (tier, parent, tuple(tokens))
-                ),
+                lambda parent, tokens, tier=tier: lookup(tier, parent, tokens),
             )
             for tier, size in self.block_size.items()
         }

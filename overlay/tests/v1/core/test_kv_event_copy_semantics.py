@@ -170,6 +170,18 @@ def test_consumer_knows_exactly_the_engines_copy_semantics():
         Mirror("per_copy")
 
 
+def test_consumer_matches_only_for_views_it_indexes():
+    """A Mirror indexes the keys of its held view and of its match_views
+    only; asking for another view, or naming an unknown one, is an error
+    that says how to construct it."""
+    with pytest.raises(ValueError, match="'sets'.*set, count"):
+        Mirror(match_views=("sets",))
+    assert Mirror("physical").match([1, 2, 3], "count") == {}
+    with pytest.raises(ValueError, match=r"match_views=\('set',\)"):
+        Mirror("physical").match([1, 2, 3], "set")
+    assert Mirror("physical", match_views=("set",)).match([1, 2, 3], "set") == {}
+
+
 def test_copy_semantics_config_rejects_unknown_value():
     with pytest.raises(ValueError) as exc_info:
         KVEventsConfig(enable_kv_cache_events=True, copy_semantics="per_copy")

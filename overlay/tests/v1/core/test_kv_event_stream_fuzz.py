@@ -187,21 +187,30 @@ def make_scheduler(model_dir: str, config: str, policy: str) -> Scheduler:
     )
 
 
+# The copy semantics whose held view is each of a Mirror's mirrors.
+HELD_BY = {"set": "last_copy", "count": "physical"}
+
+
 class Tap:
     """Stands in for the event publisher: every batch goes to both mirrors,
-    and to the reference consumer's ``Mirror`` and ``CompactMirror``."""
+    and to the reference consumer's ``Mirror`` and ``CompactMirror``; to a
+    ``Mirror`` matching for both views (``both``, what the harness's router
+    view keeps) and to one per view that holds by it (``held_by``)."""
 
     def __init__(self, policy: str) -> None:
         self.set = SetMirror()
         self.count = CountMirror()
         self.full = Mirror(policy)
         self.compact = CompactMirror(policy)
+        self.both = Mirror(policy, match_views=HELD_BY)
+        self.held_by = {view: Mirror(held) for view, held in HELD_BY.items()}
         self.last_events: list = []
 
     def publish(self, batch) -> None:
         self.last_events = list(batch.events)
+        mirrors = (self.set, self.count, self.full, self.compact, self.both)
         for event in batch.events:
-            for mirror in (self.set, self.count, self.full, self.compact):
+            for mirror in (*mirrors, *self.held_by.values()):
                 mirror.apply(event)
 
     def shutdown(self) -> None:
@@ -414,6 +423,7 @@ class Run:
                     f"{dict(want - count_m.counts)}"
                 )
         problems += self.compact_problems()
+        problems += self.match_view_problems()
         assert not problems, (
             f"{where}: {'; '.join(p[:300] for p in problems)}\n"
             f"this step's events: {self.tap.last_events}"
@@ -441,6 +451,23 @@ class Run:
             )
             if got != want:
                 problems.append(f"compact mirror: matched {got}, the full one {want}")
+        return problems
+
+    def match_view_problems(self) -> list[str]:
+        """Where one Mirror's match for a view it does not hold by differs
+        from a Mirror that holds by that view, on a family prompt."""
+        problems = []
+        for prompt in self.families:
+            for view, mirror in self.tap.held_by.items():
+                got, want = (
+                    {tier: n for tier, n in m.items() if n}
+                    for m in (self.tap.both.match(prompt, view), mirror.match(prompt))
+                )
+                if got != want:
+                    problems.append(
+                        f"{view} view of one Mirror: matched {got}, a Mirror "
+                        f"held by it {want}"
+                    )
         return problems
 
     def run(self, steps: int) -> Coverage:
