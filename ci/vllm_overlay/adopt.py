@@ -48,7 +48,7 @@ def adopt(layout: Layout, version: str) -> str:
     """Replace the target's pin, series and overlay with the rebase of
     ``version``; return the ``git diff --stat`` to commit."""
     work = rebase_state.version_dir(layout, version)
-    rebased = work / "rebased"
+    rebased = rebase_state.rebased_dir(layout, version)
     sources = rebase_state.check_result(layout, rebased, layout.command)
     record = work / rebase_state.SOURCE_RECORD
     if not record.is_file():

@@ -82,7 +82,7 @@ def rebase_test(layout: Layout, version: str, only: list[str] | None = None) -> 
     the overlay's tests on it (``only``: these of its test files, a run that
     adopt does not accept), and record the outcome for adopt."""
     work = rebase_state.version_dir(layout, version)
-    rebased = work / "rebased"
+    rebased = rebase_state.rebased_dir(layout, version)
     sources = rebase_state.check_result(layout, rebased, layout.command)
     record = rebase_state.record_path(layout, version)
     record.unlink(missing_ok=True)  # the last run's outcome only

@@ -389,21 +389,6 @@ def _torch_requirement(requirements: Path, machine: str) -> str:
     )
 
 
-def _refuse_to_overwrite(version_dir: Path) -> None:
-    """--write never deletes earlier work: a result, or a workspace with
-    anything not yet exported."""
-    rebased = version_dir / "rebased"
-    ws = version_dir / "workspace"
-    lost = workspace.unsaved_work(ws) if ws.exists() else []
-    if rebased.exists() or lost:
-        what = [str(rebased)] if rebased.exists() else []
-        raise OverlayError(
-            f"--write would replace earlier work: {', '.join(what + lost)}",
-            f"finish it (docs/maintainers.md, recipe 5) or move it "
-            f"away: `mv {version_dir} {version_dir}.old`",
-        )
-
-
 def write_rebased(
     layout: Layout, release: Release, sdist: Path, patches: list[Patch]
 ) -> str | None:
@@ -412,9 +397,9 @@ def write_rebased(
     Returns why it stopped (None: rebased and checked; export is next)."""
     pin = load_pin(layout.pin)
     version_dir = rebase_state.version_dir(layout, release.version)
-    ws = version_dir / "workspace"
-    rebased = version_dir / "rebased"
-    if ws.exists():  # _refuse_to_overwrite found nothing unsaved in it
+    ws = rebase_state.workspace_dir(layout, release.version)
+    rebased = rebase_state.rebased_dir(layout, release.version)
+    if ws.exists():  # refuse_to_overwrite found nothing unsaved in it
         shutil.rmtree(ws)
     (rebased / "patches").mkdir(parents=True)
     # export keeps a series file's comments: the checkout's go along.
@@ -621,7 +606,7 @@ def next_steps(layout: Layout, version: str) -> str:
     state it is in: export while its workspace holds commits that
     ``rebased/patches`` lacks, the overlay's tests until they passed on
     exactly that ``rebased/``, then adopt."""
-    ws = rebase_state.version_dir(layout, version) / "workspace"
+    ws = rebase_state.workspace_dir(layout, version)
     test = f"`{layout.command} rebase-test {version}`"
     adopt_it = f"`{layout.command} adopt {version}`"
     if missing := rebase_state.unexported(layout, version):
@@ -698,7 +683,7 @@ def dry_run(
     touched = {t for p in patches for t in p.targets} | {_VERSION_FILE}
     if write:  # before any download: what would be lost
         for version in versions:
-            _refuse_to_overwrite(work / version)
+            rebase_state.refuse_to_overwrite(layout, version)
     if local is not None and len(versions) != 1:
         raise OverlayError(
             f"--sdist names one release's files, and {len(versions)} versions "
@@ -731,7 +716,7 @@ def dry_run(
             pristine = Path(tmp) / "pristine"
             extract_files(sdist, touched, pristine)
             results[version] = fit_series(pristine, patches, Path(tmp))
-        ws = work / version / "workspace"
+        ws = rebase_state.workspace_dir(layout, version)
         if write:
             stops[version] = write_rebased(layout, release, sdist, patches)
             next_command[version] = (
@@ -747,8 +732,8 @@ def dry_run(
         json.dumps(report(releases, results), indent=2, sort_keys=True) + "\n"
     )
     for version, stop in stops.items():
-        rebased = work / version / "rebased"
-        ws = work / version / "workspace"
+        rebased = rebase_state.rebased_dir(layout, version)
+        ws = rebase_state.workspace_dir(layout, version)
         if stop is None:
             print(
                 f"{version}: series rebased and checked in {ws}\n  next: "

@@ -35,6 +35,17 @@ def version_dir(layout: Layout, version: str) -> Path:
     return layout.build / "rebase" / version
 
 
+def workspace_dir(layout: Layout, version: str) -> Path:
+    """The series as git commits on the release, where a maintainer resolves
+    stops and export reads."""
+    return version_dir(layout, version) / "workspace"
+
+
+def rebased_dir(layout: Layout, version: str) -> Path:
+    """What adopt puts in place: ``pin.toml``, ``patches/``, ``overlay/``."""
+    return version_dir(layout, version) / "rebased"
+
+
 def owned(layout: Layout) -> list[Path]:
     """The target's own paths: its pin, series folder and overlay folder."""
     return [layout.pin, layout.patches, layout.overlay]
@@ -54,6 +65,22 @@ def files_digest(layout: Layout) -> dict[str, str]:
     return digests
 
 
+def refuse_to_overwrite(layout: Layout, version: str) -> None:
+    """``--write`` never deletes earlier work: a result, or a workspace with
+    anything not yet exported."""
+    rebased = rebased_dir(layout, version)
+    ws = workspace_dir(layout, version)
+    lost = workspace.unsaved_work(ws) if ws.exists() else []
+    if rebased.exists() or lost:
+        what = [str(rebased)] if rebased.exists() else []
+        moved = version_dir(layout, version)
+        raise OverlayError(
+            f"--write would replace earlier work: {', '.join(what + lost)}",
+            f"finish it (docs/maintainers.md, recipe 5) or move it "
+            f"away: `mv {moved} {moved}.old`",
+        )
+
+
 def record_source(layout: Layout, version: str) -> None:
     """What ``--write`` rebased: adopt refuses if the checkout moved on."""
     record = version_dir(layout, version) / SOURCE_RECORD
@@ -64,9 +91,8 @@ def record_source(layout: Layout, version: str) -> None:
 def unexported(layout: Layout, version: str) -> list[str]:
     """What of the rebase workspace of ``version`` ``rebased/patches`` does
     not hold as exported: patch names, and "series" for their order."""
-    work = version_dir(layout, version)
-    patches = work / "rebased" / "patches"
-    texts = workspace.exported_texts(work / "workspace")
+    patches = rebased_dir(layout, version) / "patches"
+    texts = workspace.exported_texts(workspace_dir(layout, version))
     have = (
         {p.name: p.read_text() for p in patches.glob("*.patch")}
         if (patches / "series").is_file()
@@ -81,9 +107,8 @@ def unexported(layout: Layout, version: str) -> list[str]:
 def check_exported(layout: Layout, version: str) -> Path:
     """The rebase workspace of ``version``, after checking that its commits
     are what ``rebased/patches`` holds (the checks run on the workspace)."""
-    work = version_dir(layout, version)
-    ws = work / "workspace"
-    patches = work / "rebased" / "patches"
+    ws = workspace_dir(layout, version)
+    patches = rebased_dir(layout, version) / "patches"
     if not (ws / ".git").is_dir():
         raise OverlayError(
             f"{ws} is not a workspace: no rebase onto {version} to adopt",
@@ -109,7 +134,7 @@ def workspace_state(ws: Path) -> str:
 def record_check(layout: Layout, version: str) -> None:
     """The static check passed on the workspace as it is now."""
     work = version_dir(layout, version)
-    state = workspace_state(work / "workspace")
+    state = workspace_state(workspace_dir(layout, version))
     (work / CHECK_RECORD).write_text(json.dumps({"workspace": state}) + "\n")
 
 
@@ -120,7 +145,7 @@ def checked(layout: Layout, version: str) -> bool:
     if not record.is_file():
         return False
     recorded = json.loads(record.read_text()).get("workspace")
-    return bool(recorded == workspace_state(work / "workspace"))
+    return bool(recorded == workspace_state(workspace_dir(layout, version)))
 
 
 def record_path(layout: Layout, version: str) -> Path:
@@ -141,18 +166,18 @@ def fix_hint(layout: Layout, version: str) -> str:
     """Where a failure of the overlay's tests on a rebase is fixed: in the
     series, or in the rebase's copy of the overlay's tests (whose edits
     rebased_digest covers and adopt puts in place)."""
-    work = version_dir(layout, version)
-    ws = work / "workspace"
+    ws = workspace_dir(layout, version)
+    tests = rebased_dir(layout, version) / "overlay" / "tests"
     return (
         f"fix the series in {ws} and `{layout.command} export --dir {ws}`, or "
-        f"the overlay's tests in {work / 'rebased' / 'overlay' / 'tests'} "
+        f"the overlay's tests in {tests} "
         "(a new or renamed test's node id goes into ci/overlay-tests.txt)"
     )
 
 
 def require_pass(layout: Layout, version: str) -> None:
     """Refuse unless the overlay's tests passed on exactly this rebase."""
-    rebased = version_dir(layout, version) / "rebased"
+    rebased = rebased_dir(layout, version)
     record = record_path(layout, version)
     rerun = f"`{layout.command} rebase-test {version}`"
     if not record.is_file():
