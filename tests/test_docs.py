@@ -123,8 +123,8 @@ def test_a_full_benchmark_run_refuses_a_python_that_cannot_draw(
     assert sorted(p.name for p in out.iterdir()) == ["live_cost.json"]
 
 
-def test_readme_fleet_headline_is_the_fleet_report() -> None:
-    """The README's one-sentence fleet result is ``bench_fleet_sim.headline``
+def test_fleet_headline_is_the_fleet_report() -> None:
+    """verification.md's one-sentence fleet result is ``bench_fleet_sim.headline``
     of the committed fleet_sim.json: a rerun that moves a figure fails here
     until the sentence from the rendered report replaces it."""
     bench_fleet_sim = load_bench("bench_fleet_sim")
@@ -220,7 +220,7 @@ def test_deploy_line_is_a_valid_config_of_the_built_engine() -> None:
 
 
 def test_recovery_cost_is_the_reports() -> None:
-    """The README's recovery cost: the snapshot benchmark's largest snapshot
+    """operators.md's recovery cost: the snapshot benchmark's largest snapshot
     (docs/benchmarks/snapshot.json) and the late consumer of the recorded
     live run (docs/cpu-server/snapshot-recovery.json)."""
     bench = json.loads((BENCH_DOCS / "snapshot.json").read_text())
@@ -331,3 +331,22 @@ def test_architecture_patch_map_is_the_series_headers() -> None:
         "replace the table under 'The engine series' in docs/architecture.md "
         "with what `ci/overlay patch-map` prints"
     )
+
+
+def test_duplicate_copies_audit_cites_only_tests_that_exist() -> None:
+    """Every test the duplicate-copies audit names is defined in the
+    overlay's tests or in the built tree's upstream tests: a renamed or
+    dropped test cannot leave a row vouched for by nothing."""
+    tree_tests = REPO.tree / "tests"
+    assert tree_tests.is_dir(), f"run ./build.sh first: no {tree_tests}"
+    defined = {
+        name
+        for root in (ROOT / "overlay" / "tests", tree_tests)
+        for path in root.rglob("test_*.py")
+        for name in re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), re.M)
+    }
+    audit = (ROOT / "docs" / "duplicate-copies-audit.md").read_text()
+    # Test names, not file names (`test_x.py`) or patterns (`test_x_*`).
+    cited = set(re.findall(r"`(test_\w+)(?![\w.*])", audit))
+    assert len(cited) > 20, f"the audit cites only {sorted(cited)}"
+    assert not cited - defined, f"the audit cites undefined tests: {cited - defined}"
