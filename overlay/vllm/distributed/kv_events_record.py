@@ -803,17 +803,18 @@ class _Recorder:
                 self._record.apply(self._decoder.decode(item).events)
             except Exception as e:
                 raise _Off(f"the snapshot record failed at seq {seq}: {e!r}") from e
+            if self._record.num_keys > self._max_keys:
+                # Exiting frees the record: its memory stays bounded by the
+                # cap. Before any report: no status shows a record past it.
+                raise _Off(
+                    f"the record passed kv_events_config.snapshot_max_keys="
+                    f"{self._max_keys} held keys at seq {seq}"
+                )
             self._next_seq = seq + 1
             if not (i >> 1) & 31:
                 # A long chunk on a starved core still reports: silence is
                 # what tells the publisher that this process stalled.
                 self._report()
-            if self._record.num_keys > self._max_keys:
-                # Exiting frees the record: its memory stays bounded by the cap.
-                raise _Off(
-                    f"the record passed kv_events_config.snapshot_max_keys="
-                    f"{self._max_keys} held keys at seq {seq}"
-                )
         if self._consumed != batches[0]:
             raise _Off(
                 f"the ring is out of step: read to byte {self._consumed}, "
