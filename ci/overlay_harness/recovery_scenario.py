@@ -82,7 +82,11 @@ SHORT_GAP = 3
 # samples of /metrics; the phase's last request can also end within the
 # join, so only the count before the join is required.
 DURING_MIN_RUNNING = 1
-# Load phases run at most until the `during` consumer has joined.
+# Load phases run at most until the `during` consumer has joined, each
+# with twice the requests of the one before: under "logical" a phase of
+# --jobs requests can publish few batches more than BUFFER_STEPS, and a
+# starved joiner thread then missed all three of equal length (one cold
+# CI run).
 LOAD_PHASES_FOR_JOIN = 3
 # A recovery followed by this long without a live batch is reported, with
 # what the witness got meanwhile (issue 31: about 2 s seen by a consumer).
@@ -356,9 +360,9 @@ class Recovery:
     def load(self, scenario: Scenario) -> None:
         """A load phase with the `long` consumer cut, the `short` one losing
         batches and the `during` one joining; another phase (up to
-        LOAD_PHASES_FOR_JOIN in all) where the phase ended before the join
-        saw a request running (a starved joiner thread, on a loaded CI
-        machine)."""
+        LOAD_PHASES_FOR_JOIN in all, each twice as long) where the phase
+        ended before the join saw a request running (a starved joiner
+        thread, on a loaded CI machine)."""
         for phase in range(1, LOAD_PHASES_FOR_JOIN + 1):
             before = scenario.live.batches
             load_done = threading.Event()
@@ -371,7 +375,7 @@ class Recovery:
             joiner.start()
             gaps.start()
             try:
-                scenario.load(self.args.jobs)
+                scenario.load(self.args.jobs * 2 ** (phase - 1))
             finally:
                 load_done.set()
                 self.consumers["long"].link(cut=False, lose=0)
