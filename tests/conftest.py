@@ -234,6 +234,11 @@ def write_series(layout: Layout, patches: dict[str, str]) -> None:
     )
 
 
+def hint_commands(text: str) -> list[str]:
+    """The commands a message tells to run (between backquotes)."""
+    return re.findall(r"`([^`]+)`", text)
+
+
 def dedent(text: str) -> str:
     return textwrap.dedent(text).lstrip()
 

@@ -20,6 +20,7 @@ from conftest import (
     as_maintainer,
     committed_copy,
     git,
+    hint_commands,
     make_patch,
     write_series,
 )
@@ -183,8 +184,13 @@ def test_write_never_overwrites_earlier_work(checkout: Layout, tmp_path: Path) -
     with pytest.raises(OverlayError, match="would replace earlier work") as e:
         rebase.dry_run(checkout, ["9.9.9"], checkout.build / "report.json", write=True)
     assert str(version_dir / "rebased") in e.value.what
-    assert f"mv {version_dir} {version_dir}.old" in e.value.next_step
     assert reviewed.read_text() == "a reviewed edit\n"
+    # The hint, pasted as printed, moves the work aside whole.
+    (move,) = hint_commands(e.value.next_step)
+    subprocess.run(move, shell=True, check=True, cwd=checkout.root)
+    kept = version_dir.with_name("9.9.9.old") / "rebased" / "patches" / "0001-x.patch"
+    assert kept.read_text() == "a reviewed edit\n"
+    rebase_state.refuse_to_overwrite(checkout, "9.9.9")
 
 
 def test_report_path_is_anchored_to_the_checkout(
@@ -702,11 +708,6 @@ def test_rebased_pin_lists_only_the_comments_it_keeps(
 PY_LINES = "".join(f"x{i} = {i}\n" for i in range(1, 31))
 
 
-def _hints(text: str) -> list[str]:
-    """The commands a message tells to run (between backquotes)."""
-    return re.findall(r"`([^`]+)`", text)
-
-
 def test_rebase_hints_name_the_next_step_of_the_state(
     checkout: Layout, tmp_path: Path, capsys
 ) -> None:
@@ -755,7 +756,7 @@ def test_rebase_hints_name_the_next_step_of_the_state(
 
     code, out = overlay(check)
     assert code == 0, out
-    (export, test, adopt_it) = _hints(out.partition("next: ")[2])
+    (export, test, adopt_it) = hint_commands(out.partition("next: ")[2])
     assert export == f"ci/overlay export --dir {ws}"
     assert (test, adopt_it) == (
         f"ci/overlay rebase-test {VERSION}",
@@ -784,13 +785,15 @@ def test_rebase_hints_name_the_next_step_of_the_state(
         )
     )
     code, out = overlay(check)
-    assert _hints(out.partition("next: ")[2]) == [f"ci/overlay adopt {VERSION}"]
+    assert hint_commands(out.partition("next: ")[2]) == [f"ci/overlay adopt {VERSION}"]
     # a fix folded in again: export is next once more
     (ws / "pkg" / "b.py").write_text(PY_LINES.replace("x10 = 10\n", "x10 = 1000\n"))
     workspace.git(ws, "commit", "-q", "-a", "--amend", "--no-edit")
     assert not rebase_state.checked(checkout, VERSION)
     code, out = overlay(check)
-    assert _hints(out.partition("next: ")[2])[0] == f"ci/overlay export --dir {ws}"
+    assert (
+        hint_commands(out.partition("next: ")[2])[0] == f"ci/overlay export --dir {ws}"
+    )
     assert "0002-b.patch" in out
 
 
@@ -920,7 +923,7 @@ def test_dropping_patches_in_a_rebase_as_the_guide_says(
     assert refused.value.next_step.endswith(
         f"`ci/overlay export --dir {ws} --drop {gone[0]} --drop {gone[1]}`"
     )
-    (command,) = _hints(refused.value.next_step)[1:]
+    (command,) = hint_commands(refused.value.next_step)[1:]
     assert main(shlex.split(command)[1:]) == 0
     assert series.read_series(out) == ["0002-b10.patch"]
 
@@ -966,9 +969,22 @@ def test_rebase_check_takes_a_release_from_files_on_disk(tmp_path: Path) -> None
 
     unreachable = check()
     assert unreachable.returncode == 1
-    hint = f"rebase-check {pin.version} --sdist {sdist.name} --wheel {wheel.name}`"
-    assert hint in unreachable.stderr
-    done = check("--sdist", str(sdist), "--wheel", str(wheel))
+    # The hint, pasted as printed once the files are where it says.
+    (command,) = hint_commands(unreachable.stderr.partition("next:")[2])
+    assert f"put the release's sdist and wheel in {layout.downloads}" in (
+        unreachable.stderr
+    )
+    layout.downloads.mkdir(parents=True, exist_ok=True)
+    shutil.copy(sdist, layout.downloads)
+    shutil.copy(wheel, layout.downloads)
+    done = subprocess.run(
+        command,
+        shell=True,
+        cwd=layout.root,
+        capture_output=True,
+        text=True,
+        env=offline,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads((layout.build / "rebase" / "report.json").read_text())
     assert report[pin.version]["sdist"]["sha256"] == pin.sdist.sha256
@@ -980,3 +996,16 @@ def test_rebase_check_takes_a_release_from_files_on_disk(tmp_path: Path) -> None
     assert f"{misnamed} is not named {sdist.name}" in refused.stderr
     copy = f"cp -n {misnamed} {misnamed.with_name(sdist.name)}"
     assert copy in refused.stderr
+    # A file of the release's name that is another file: refused, and the
+    # hint moves the cached one aside rather than deleting it.
+    other = tmp_path / "other" / sdist.name
+    other.parent.mkdir()
+    other.write_bytes(b"not the release")
+    clash = check("--sdist", str(other))
+    assert clash.returncode == 1
+    assert "already holds another file" in clash.stderr
+    (move,) = hint_commands(clash.stderr.partition("next:")[2])
+    subprocess.run(move, shell=True, check=True, cwd=layout.root)
+    cached = layout.downloads / sdist.name
+    assert cached.with_name(f"{sdist.name}.old").read_bytes() == sdist.read_bytes()
+    assert not cached.exists()

@@ -3,7 +3,6 @@ ways it must never lose work."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +13,7 @@ from conftest import (
     LINES,
     REPO,
     as_maintainer,
+    hint_commands,
     make_patch,
     set_commit_short,
     write_series,
@@ -82,10 +82,6 @@ def with_tooling(layout: Layout) -> Layout:
 def sh(layout: Layout, command: str, ok: bool = True) -> subprocess.CompletedProcess:
     """Run a printed command line in the checkout, as a maintainer would."""
     return as_maintainer(command, layout.root, ok)
-
-
-def hint_commands(next_step: str) -> list[str]:
-    return re.findall(r"`([^`]+)`", next_step)
 
 
 def _export_is_identity(layout: Layout) -> None:

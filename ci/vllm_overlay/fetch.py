@@ -186,8 +186,9 @@ def cache_local(path: Path, expected_name: str, cache_dir: Path) -> PinnedFile:
         if sha256_of(target) != pinned.sha256:
             raise OverlayError(
                 f"{target} already holds another file named {expected_name}",
-                f"remove it if nothing pins it (`{shlex.join(['rm', str(target)])}`), "
-                "then run again",
+                "move it aside if nothing pins it (`"
+                + shlex.join(["mv", "-n", str(target), f"{target}.old"])
+                + "`), then run again",
             )
         return pinned
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,13 @@ def _checked(value: str, pattern: re.Pattern[str], key: str, path: Path) -> str:
     return value
 
 
+def release_files(version: str, wheel_tag: str, project: str) -> tuple[str, str]:
+    """The names of a release's files: vLLM's sdist and the wheel of
+    ``project`` (the pin's wheel project)."""
+    distribution = project.replace("-", "_")
+    return f"vllm-{version}.tar.gz", f"{distribution}-{version}-{wheel_tag}.whl"
+
+
 def load_pin(path: Path) -> Pin:
     try:
         data = tomllib.loads(path.read_text())
@@ -133,7 +140,9 @@ def load_pin(path: Path) -> Pin:
         "upstream.wheel.project",
         path,
     )
-    expected_wheel_name = f"{project.replace('-', '_')}-{version}-{wheel_tag}.whl"
+    expected_sdist_name, expected_wheel_name = release_files(
+        version, wheel_tag, project
+    )
     if wheel.filename != expected_wheel_name:
         raise OverlayError(
             f"{path}: upstream.wheel.filename {wheel.filename!r} does not match "
@@ -141,7 +150,7 @@ def load_pin(path: Path) -> Pin:
             f"make upstream.wheel.filename, project, version and tag agree in "
             f"{path.name}",
         )
-    if sdist.filename != f"vllm-{version}.tar.gz":
+    if sdist.filename != expected_sdist_name:
         raise OverlayError(
             f"{path}: upstream.sdist.filename {sdist.filename!r} does not match "
             f"version {version!r}",

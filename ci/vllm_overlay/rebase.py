@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from vllm_overlay import apply, rebase_state, workspace
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.fetch import cache_local, default_index_url, fetch, list_files
 from vllm_overlay.paths import Layout
-from vllm_overlay.pin import Pin, PinnedFile, load_pin
+from vllm_overlay.pin import Pin, PinnedFile, load_pin, release_files
 from vllm_overlay.series import Patch, load_series
 from vllm_overlay.source import extract_sdist, lay_scratch_tree
 from vllm_overlay.venv import tool_venv
@@ -88,30 +89,34 @@ def find_release(
             return None
         return PinnedFile(filename, entry["hashes"]["sha256"])
 
-    sdist = pinned(f"vllm-{version}.tar.gz")
+    sdist_name, wheel_name = release_files(version, wheel_tag, project)
+    sdist = pinned(sdist_name)
     if sdist is None:
         raise OverlayError(
             f"the package index has no sdist for vllm {version}",
             "check the version number",
         )
-    distribution = project.replace("-", "_")
-    return Release(version, sdist, pinned(f"{distribution}-{version}-{wheel_tag}.whl"))
+    return Release(version, sdist, pinned(wheel_name))
 
 
 def _indexed_release(
-    version: str, wheel_tag: str, project: str, command: str
+    version: str, wheel_tag: str, project: str, command: str, downloads: Path
 ) -> Release:
     """``find_release``, whose failure to reach the index says how to give
-    the release's files instead."""
+    the release's files instead: put in the download cache under their
+    release names, where the command it prints finds them."""
     try:
         return find_release(version, wheel_tag, project=project)
     except OverlayError as e:
-        wheel = f"{project.replace('-', '_')}-{version}-{wheel_tag}.whl"
+        sdist, wheel = (
+            downloads / name for name in release_files(version, wheel_tag, project)
+        )
+        given = shlex.join(["--sdist", str(sdist), "--wheel", str(wheel)])
         raise OverlayError(
             e.what,
-            "check network access to the package index, or give the release's "
-            f"files from this folder: `{command} rebase-check {version} --sdist "
-            f"vllm-{version}.tar.gz --wheel {wheel}`",
+            "check network access to the package index, or put the release's "
+            f"sdist and wheel in {downloads} and run "
+            f"`{command} rebase-check {version} {given}`",
         ) from None
 
 
@@ -125,13 +130,11 @@ def local_release(
 ) -> Release:
     """A release from files on disk instead of the index (``cache_local``):
     vLLM's sdist and, for ``--write``, the pin's wheel project's wheel."""
-    distribution = project.replace("-", "_")
+    sdist_name, wheel_name = release_files(version, wheel_tag, project)
     return Release(
         version,
-        cache_local(sdist, f"vllm-{version}.tar.gz", downloads),
-        None
-        if wheel is None
-        else cache_local(wheel, f"{distribution}-{version}-{wheel_tag}.whl", downloads),
+        cache_local(sdist, sdist_name, downloads),
+        None if wheel is None else cache_local(wheel, wheel_name, downloads),
     )
 
 
@@ -696,7 +699,9 @@ def dry_run(
                 version, pin.wheel_tag, pin.wheel_project, *local, layout.downloads
             )
             if local is not None
-            else _indexed_release(version, pin.wheel_tag, pin.wheel_project, command)
+            else _indexed_release(
+                version, pin.wheel_tag, pin.wheel_project, command, layout.downloads
+            )
         )
         if write and release.wheel is None:
             raise OverlayError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -76,8 +77,9 @@ def refuse_to_overwrite(layout: Layout, version: str) -> None:
         moved = version_dir(layout, version)
         raise OverlayError(
             f"--write would replace earlier work: {', '.join(what + lost)}",
-            f"finish it (docs/maintainers.md, recipe 5) or move it "
-            f"away: `mv {moved} {moved}.old`",
+            "finish it (docs/maintainers.md, recipe 5) or move it away: `"
+            + shlex.join(["mv", "-n", str(moved), f"{moved}.old"])
+            + "`",
         )
 
 
